@@ -1,0 +1,3 @@
+from shim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The contract between the transport and the rest of the shim.
+
+The transport knows nothing about memory QoS. It forwards every call as raw
+bytes and calls two hooks:
+
+* ``rewrite(method, request)`` -- only for the methods in ``REWRITTEN_METHODS``,
+  before forwarding. It returns the bytes to send upstream (the same object
+  when nothing changes). It runs on the event loop, so it must be quick and
+  must not block; the transport forwards the original bytes if it raises.
+* ``finished(call)`` -- once per call, after the upstream answered and before
+  the answer goes back to the kubelet. Must not block (enqueue, dict update).
+  Consumers: the audit/record writer, the reconciler's node state, the memory
+  of containers that UpdateContainerResources needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+CREATE_CONTAINER = "/runtime.v1.RuntimeService/CreateContainer"
+UPDATE_CONTAINER_RESOURCES = "/runtime.v1.RuntimeService/UpdateContainerResources"
+REWRITTEN_METHODS = frozenset({CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES})
+
+
+@dataclass
+class FinishedCall:
+    """One finished RPC, shaped like a line of the trace format."""
+
+    method: str
+    start: float  # time.time() when the call arrived
+    duration_ms: float
+    request: bytes  # as the client sent it
+    forwarded: bytes | None  # what went upstream, when it differs from request
+    responses: list[bytes] = field(default_factory=list)  # [] when the call failed
+    code: str = "OK"  # grpc.StatusCode name
+    details: str = ""
+
+
+class CallHooks(Protocol):
+    def rewrite(self, method: str, request: bytes) -> bytes: ...
+
+    def finished(self, call: FinishedCall) -> None: ...
+
+
+class PassthroughHooks:
+    """Hooks that change nothing and observe nothing."""
+
+    def rewrite(self, method: str, request: bytes) -> bytes:
+        return request
+
+    def finished(self, call: FinishedCall) -> None:
+        return None
