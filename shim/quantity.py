@@ -1,0 +1,67 @@
+"""Kubernetes resource quantities ("128Mi", "1G", "1.5Gi", "2e9") as integer bytes.
+
+Follows resource.Quantity: binary suffixes Ki..Ei, decimal suffixes n u m k M G T P E,
+or a decimal exponent; fractional byte counts round up (Quantity.Value()).
+"""
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation, ROUND_CEILING, localcontext
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+            "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12),
+            "P": Decimal(10**15), "E": Decimal(10**18)}
+_RE = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
+# Anything bigger than this is not a memory size on any node; refusing it keeps
+# hostile annotations from producing absurd values (and Decimal from huge exponents).
+MAX_BYTES = 2**63 - 1
+
+
+class QuantityError(ValueError):
+    pass
+
+
+def parse_bytes(text: object) -> int:
+    """Parse a quantity into a non-negative integer number of bytes, or raise QuantityError."""
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise QuantityError(f"quantity must be a string, got {type(text).__name__}")
+    if isinstance(text, int):
+        value = Decimal(text)
+    else:
+        s = text.strip()
+        if len(s) > 64:
+            raise QuantityError("quantity too long")
+        m = _RE.match(s)
+        if not m:
+            raise QuantityError(f"not a quantity: {text!r}")
+        number, suffix = m.group(1), m.group(2) or ""
+        with localcontext() as ctx:
+            ctx.prec = 60
+            try:
+                value = Decimal(number)
+                if suffix in _BINARY:
+                    value *= _BINARY[suffix]
+                elif suffix in _DECIMAL:
+                    value *= _DECIMAL[suffix]
+                else:
+                    exp = int(suffix[1:])
+                    if abs(exp) > 30:
+                        raise QuantityError(f"exponent out of range: {text!r}")
+                    value = value.scaleb(exp)
+            except InvalidOperation as e:  # pragma: no cover - regex keeps this out
+                raise QuantityError(f"not a quantity: {text!r}") from e
+    if value < 0:
+        raise QuantityError(f"negative quantity: {text!r}")
+    result = int(value.to_integral_value(rounding=ROUND_CEILING))
+    if result > MAX_BYTES:
+        raise QuantityError(f"quantity out of range: {text!r}")
+    return result
+
+
+def format_bytes(n: int) -> str:
+    """Human form for logs and tables: exact binary unit when it divides, else bytes."""
+    for suffix, mult in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n and n % mult == 0:
+            return f"{n // mult}{suffix}"
+    return str(n)
