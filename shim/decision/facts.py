@@ -24,7 +24,6 @@ class RequestSource(str, Enum):
     KUBELET_UNIFIED = "kubelet-unified"  # memory.min / memory.low the kubelet sent
     GUARANTEED_LIMIT = "guaranteed-limit"  # Guaranteed: request == limit
     OOM_SCORE_ADJ = "oom-score-adj"  # Burstable: lower bound from oom_score_adj
-    REMEMBERED = "remembered"  # an update: the request found at creation
     GIVEN = "given"  # stated by the caller (memqos-shim explain)
     NONE = "none"
 

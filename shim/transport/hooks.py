@@ -34,6 +34,8 @@ class FinishedCall:
     responses: list[bytes] = field(default_factory=list)  # [] when the call failed
     code: str = "OK"  # grpc.StatusCode name
     details: str = ""
+    # True when a server stream sent more than the transport keeps (responses holds the first ones)
+    truncated: bool = False
 
 
 class CallHooks(Protocol):

@@ -1,0 +1,199 @@
+"""memqos-shim command line: serve, explain (more subcommands register themselves here)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from shim import __version__
+from shim.config import OPTIONS, ConfigError, add_arguments, resolve
+from shim.decision import (
+    ContainerFacts,
+    NodeFacts,
+    PodFacts,
+    Policy,
+    QoSClass,
+    Request,
+    RequestSource,
+    decide,
+)
+from shim.quantity import QuantityError, format_bytes, parse_bytes
+
+log = logging.getLogger("memqos-shim")
+
+_QOS_PARENTS = {
+    QoSClass.GUARANTEED: "/kubepods/pod-explain",
+    QoSClass.BURSTABLE: "/kubepods/burstable/pod-explain",
+    QoSClass.BESTEFFORT: "/kubepods/besteffort/pod-explain",
+}
+
+
+# -- serve ---------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = resolve(args)
+    except ConfigError as e:
+        print(f"memqos-shim: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from shim.service import Service
+
+    try:
+        service = Service.from_config(cfg)
+    except (OSError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    return asyncio.run(_serve(service))
+
+
+async def _serve(service) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    await stop.wait()
+    log.info("stopping")
+    await service.stop()
+    return 0
+
+
+# -- explain -------------------------------------------------------------------
+def _explain_factor(v: str) -> float | None:
+    if v.lower() == "none":
+        return None
+    f = float(v)
+    if not 0 < f <= 1:
+        raise ValueError("factor must be in (0, 1]")
+    return f
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if args.table:
+        print(kep_tables())
+        return 0
+    try:
+        request = parse_bytes(args.request)
+        limit = parse_bytes(args.limit)
+        allocatable = parse_bytes(args.allocatable)
+        factor = _explain_factor(args.factor)
+        page = int(args.page_size) if args.page_size else os.sysconf("SC_PAGE_SIZE")
+        if page <= 0:
+            raise ValueError("page size must be positive")
+        policy = Policy(args.policy)
+    except (QuantityError, ValueError) as e:
+        print(f"memqos-shim explain: {e}", file=sys.stderr)
+        return 2
+    if args.qos:
+        qos = {q.name.lower(): q for q in QoSClass}[args.qos]
+    elif limit > 0 and request == limit:
+        qos = QoSClass.GUARANTEED
+    elif request == 0 and limit == 0:
+        qos = QoSClass.BESTEFFORT
+    else:
+        qos = QoSClass.BURSTABLE
+    node = NodeFacts(capacity=allocatable, allocatable=allocatable, page_size=page, factor=factor)
+    d = decide(
+        PodFacts(cgroup_parent=_QOS_PARENTS[qos]),
+        ContainerFacts(name="explain", limit=limit),
+        node,
+        policy,
+        Request(request, RequestSource.GIVEN),
+    )
+    out = {
+        "unified": dict(d.unified_after),
+        "qos": d.qos.value,
+        "request": request,
+        "limit": limit,
+        "allocatable": allocatable,
+        "factor": factor,
+        "page_size": page,
+        "policy": policy.value,
+        "reasons": dict(d.reasons),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"QoS class {d.qos.value}; request {format_bytes(request)}, limit "
+          f"{format_bytes(limit) if limit else 'none'}, allocatable {format_bytes(allocatable) if allocatable else 'unknown'}, "
+          f"factor {factor if factor is not None else 'none'}, page {page}, policy {policy.value}")
+    for key in ("memory.min", "memory.low", "memory.high"):
+        value = d.unified_after.get(key)
+        shown = f"{value} ({format_bytes(int(value))})" if value is not None else "-"
+        print(f"  {key:12} {shown:28} {d.reasons.get(key, '')}")
+    return 0
+
+
+def kep_tables() -> str:
+    """The KEP-2570 comparison (limit 1000Mi, page 1Mi) with correct arithmetic."""
+    from shim.decision import memory_high
+
+    mi = 2**20
+    limit = 1000 * mi
+    factors = (0.9, 0.8, 0.6, 0.4)
+    lines = ["memory.high for limit 1000Mi, page 1Mi (v1.27 formula: request + (limit - request) * factor;",
+             "'-' = not set because request == limit). v1.22 formula (limit * factor) for contrast.", ""]
+    lines.append("request  | " + " | ".join(f"factor {f}" for f in factors) + " | v1.22 @0.9")
+    lines.append("-------- | " + " | ".join("----------" for _ in factors) + " | ----------")
+    for r in range(0, 1001, 100):
+        cells = []
+        for f in factors:
+            if r * mi == limit:
+                cells.append("-")
+                continue
+            high = memory_high(r * mi, limit, f, mi)
+            cells.append(f"{high // mi}Mi" if high > r * mi else "-")
+        old = "-" if r * mi == limit else f"{int(limit * 0.9) // mi}Mi"
+        lines.append(f"{r:>5}Mi  | " + " | ".join(f"{c:>10}" for c in cells) + f" | {old:>10}")
+    lines.append("")
+    lines.append("Note: the KEP and the 1.27 blog print 960 (request 800) and 980 (request 900) at factor 0.9;")
+    lines.append("the arithmetic gives 980 and 990. A KEP row says 'request 500Gi, factor 0.4': it means 500Mi (700Mi).")
+    return "\n".join(lines)
+
+
+# -- wiring --------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memqos-shim", description=__doc__)
+    p.add_argument("--version", action="version", version=f"memqos-shim {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the CRI proxy")
+    add_arguments(serve, OPTIONS)
+    serve.set_defaults(func=cmd_serve)
+
+    ex = sub.add_parser("explain", help="show what the shim would put in unified, and why")
+    ex.add_argument("--request", default="0", metavar="Q", help="memory request (quantity)")
+    ex.add_argument("--limit", default="0", metavar="Q", help="memory limit (quantity, 0 = none)")
+    ex.add_argument("--allocatable", default="0", metavar="Q", help="node allocatable memory (quantity)")
+    ex.add_argument("--factor", default="0.9", metavar="F", help="throttling factor in (0, 1] or 'none'")
+    ex.add_argument("--page-size", default=None, metavar="N", help="page size (default: the system's)")
+    ex.add_argument("--qos", choices=["guaranteed", "burstable", "besteffort"],
+                    help="QoS class (default: from request and limit)")
+    ex.add_argument("--policy", default="request", choices=[p.value for p in Policy])
+    ex.add_argument("--json", action="store_true", help="print one JSON object")
+    ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
+    ex.set_defaults(func=cmd_explain)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)

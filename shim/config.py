@@ -1,0 +1,184 @@
+"""`memqos-shim serve` configuration: flags, each also settable in a YAML file (--config).
+
+Precedence: a flag on the command line > the YAML file > the built-in default.
+YAML keys are the flag names without dashes prefix, e.g. `node-allocatable: 30Gi`
+(underscores also accepted). Unknown keys are an error, so a typo cannot silently
+leave a node with defaults.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import yaml
+
+from shim.decision import Policy
+from shim.quantity import QuantityError, parse_bytes
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _factor(v: Any) -> float | None | str:
+    if v is None or (isinstance(v, str) and v.strip().lower() == "none"):
+        return None
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"factor must be a number in (0, 1], 'auto' or 'none', not {v!r}")
+    if not 0 < f <= 1:
+        raise ConfigError(f"factor must be in (0, 1], not {f}")
+    return f
+
+
+def _quantity(v: Any) -> int:
+    try:
+        return parse_bytes(v if isinstance(v, (str, int)) else str(v))
+    except QuantityError as e:
+        raise ConfigError(str(e))
+
+
+def _positive_int(v: Any) -> int:
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"not an integer: {v!r}")
+    if n <= 0:
+        raise ConfigError(f"must be positive: {v!r}")
+    return n
+
+
+def _positive_float(v: Any) -> float:
+    try:
+        n = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"not a number: {v!r}")
+    if n <= 0:
+        raise ConfigError(f"must be positive: {v!r}")
+    return n
+
+
+def _policy(v: Any) -> Policy:
+    try:
+        return Policy(str(v))
+    except ValueError:
+        raise ConfigError(f"policy must be one of {[p.value for p in Policy]}, not {v!r}")
+
+
+def _optional_path(v: Any) -> str | None:
+    if v is None or str(v).strip().lower() in ("", "none"):
+        return None
+    return str(v)
+
+
+def _octal_mode(v: Any) -> int:
+    try:
+        mode = int(str(v), 8)
+    except ValueError:
+        raise ConfigError(f"socket mode must be octal, e.g. 0600, not {v!r}")
+    if mode & 0o007:
+        raise ConfigError(f"socket mode {v} gives access to other users; refused")
+    return mode
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # flag name without --
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("listen", "unix:///run/memqos-shim/memqos-shim.sock", str,
+           "socket the kubelet connects to (unix:///path or /path)"),
+    Option("upstream", "unix:///run/containerd/containerd.sock", str,
+           "the runtime's CRI socket (containerd or CRI-O)"),
+    Option("kubelet-config", "/var/lib/kubelet/config.yaml", _optional_path,
+           "KubeletConfiguration file to read reservations, cgroup driver and factor from; 'none' to skip"),
+    Option("cgroup-root", "/sys/fs/cgroup", str, "where the cgroup v2 hierarchy is mounted"),
+    Option("node-allocatable", None, _quantity,
+           "node allocatable memory (quantity); default: MemTotal - kubeReserved - systemReserved", "Q"),
+    Option("factor", "auto", _factor,
+           "memory throttling factor in (0, 1] for memory.high, or 'none'; default: the kubelet's "
+           "memoryThrottlingFactor when its config sets one, else 0.9", "F"),
+    Option("policy", Policy.REQUEST, _policy,
+           "protection policy: request (memory.min = request), tiered (Burstable gets memory.low), none"),
+    Option("audit-log", "-", _optional_path, "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
+    Option("page-size", None, _positive_int, "page size for rounding memory.high; default: the system's", "N"),
+    Option("socket-group", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
+    Option("socket-mode", None, _octal_mode, "socket mode (octal); default 0600, or 0660 with --socket-group"),
+    Option("meminfo", "/proc/meminfo", str, "where MemTotal is read from"),
+    Option("log-level", "info", str, "debug, info, warning or error"),
+)
+_BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
+
+
+class Config:
+    """Resolved settings; attribute names use underscores (cfg.node_allocatable)."""
+
+    def __init__(self, values: dict[str, Any], origin: dict[str, str]):
+        self._values = values
+        self.origin = origin  # name -> "flag" | "file" | "default"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (v.value if isinstance(v, Policy) else v) for k, v in self._values.items()}
+
+
+def add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...] = OPTIONS) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML file with any of these settings")
+    for o in options:
+        shown = o.default.value if isinstance(o.default, Policy) else o.default
+        parser.add_argument(f"--{o.name}", default=None, metavar=o.metavar,
+                            help=f"{o.help} (default: {shown})")
+
+
+def load_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: not YAML: {e}")
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path}: expected a map of settings")
+    unknown = sorted(k for k in doc if k not in _BY_KEY)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown settings {unknown}; known: {[o.name for o in OPTIONS]}")
+    return {_BY_KEY[k].name: v for k, v in doc.items()}
+
+
+def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> Config:
+    from_file = load_file(args.config) if getattr(args, "config", None) else {}
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for o in options:
+        attr = o.name.replace("-", "_")
+        raw = getattr(args, attr, None)
+        if raw is not None:
+            where = "flag"
+        elif o.name in from_file:
+            raw, where = from_file[o.name], "file"
+        else:
+            values[attr], origin[attr] = o.default, "default"
+            continue
+        try:
+            values[attr] = o.parse(raw)
+        except ConfigError as e:
+            raise ConfigError(f"--{o.name}: {e}") from None
+        origin[attr] = where
+    return Config(values, origin)

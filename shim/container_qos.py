@@ -1,0 +1,244 @@
+"""Container memory QoS on the CRI path: rewrites the `unified` map of CreateContainer
+and UpdateContainerResources (the transport's CallHooks) and audits every decision.
+
+Parsing and deciding happen here; the arithmetic is in shim.decision. Any error
+forwards the kubelet's original bytes and leaves a fail-open audit record.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable
+
+from shim.cri import pb
+from shim.decision import (
+    ContainerFacts,
+    Decision,
+    NodeFacts,
+    PodFacts,
+    Policy,
+    QoSClass,
+    Request,
+    RequestSource,
+    decide,
+)
+from shim.decision.request import resolve_request  # noqa: F401  (re-exported for callers)
+from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+
+log = logging.getLogger(__name__)
+
+REMOVE_CONTAINER = "/runtime.v1.RuntimeService/RemoveContainer"
+REMOVE_POD_SANDBOX = "/runtime.v1.RuntimeService/RemovePodSandbox"
+MAX_PENDING = 4096
+
+
+@dataclass(frozen=True)
+class KnownContainer:
+    """What UpdateContainerResources needs and does not carry: remembered at creation."""
+
+    sandbox_id: str
+    name: str
+    pod: PodFacts
+    qos: QoSClass
+    request: Request
+
+
+def _pod_facts(sandbox: Any) -> PodFacts:
+    return PodFacts(
+        uid=sandbox.metadata.uid,
+        namespace=sandbox.metadata.namespace,
+        name=sandbox.metadata.name,
+        cgroup_parent=sandbox.linux.cgroup_parent,
+        annotations=MappingProxyType(dict(sandbox.annotations)),
+    )
+
+
+def _container_facts(name: str, resources: Any) -> ContainerFacts:
+    limit = resources.memory_limit_in_bytes
+    if limit < 0:
+        raise ValueError(f"negative memory_limit_in_bytes {limit}")
+    return ContainerFacts(
+        name=name,
+        limit=limit,
+        oom_score_adj=resources.oom_score_adj,
+        unified=MappingProxyType(dict(resources.unified)),
+    )
+
+
+def _apply(resources: Any, decision: Decision) -> None:
+    resources.unified.clear()
+    resources.unified.update(decision.unified_after)
+
+
+class ContainerMemoryQoS:
+    """CallHooks for the two rewritten methods.
+
+    `enabled=False` (cgroup v1, or policy off) forwards everything untouched; the
+    reason is logged once."""
+
+    def __init__(
+        self,
+        node: NodeFacts,
+        policy: Policy,
+        emit: Callable[[dict], None],
+        *,
+        enabled: bool = True,
+        disabled_reason: str = "",
+    ):
+        self.node = node
+        self.policy = policy
+        self._emit = emit
+        self.enabled = enabled
+        self.disabled_reason = disabled_reason
+        self._warned = False
+        self.containers: dict[str, KnownContainer] = {}
+        # original request bytes -> [(audit record, KnownContainer without id)], until finished
+        self._pending: dict[bytes, list[tuple[dict, KnownContainer | None]]] = {}
+        self._lock = threading.Lock()
+
+    # -- CallHooks ---------------------------------------------------------------
+    def rewrite(self, method: str, request: bytes) -> bytes:
+        if not self.enabled:
+            if not self._warned:
+                self._warned = True
+                log.warning("memory QoS injection is off: %s; CRI calls pass through", self.disabled_reason)
+            return request
+        memo: KnownContainer | None = None
+        try:
+            if method == CREATE_CONTAINER:
+                forwarded, record, memo = self._create(request)
+            elif method == UPDATE_CONTAINER_RESOURCES:
+                forwarded, record = self._update(request)
+            else:
+                return request
+        except Exception as e:  # fail open: the kubelet's bytes go upstream unchanged
+            log.exception("policy error on %s; forwarding the request unchanged", method)
+            forwarded = request
+            record = {
+                "event": "fail-open",
+                "method": method.rsplit("/", 1)[-1],
+                "error": f"{e.__class__.__name__}: {e}"[:500],
+            }
+        with self._lock:
+            if len(self._pending) >= MAX_PENDING:  # finished() never came: do not grow forever
+                self._pending.clear()
+            self._pending.setdefault(request, []).append((record, memo))
+        return forwarded
+
+    def finished(self, call: FinishedCall) -> None:
+        method = call.method
+        if method == CREATE_CONTAINER or method == UPDATE_CONTAINER_RESOURCES:
+            with self._lock:
+                entries = self._pending.get(call.request)
+                entry = entries.pop(0) if entries else None
+                if entries == []:
+                    del self._pending[call.request]
+            if entry is None:
+                return
+            record, memo = entry
+            record["code"] = call.code
+            if call.code != "OK":
+                record["details"] = call.details[:500]
+            if method == CREATE_CONTAINER and call.code == "OK" and call.responses:
+                try:
+                    cid = pb.CreateContainerResponse.FromString(call.responses[0]).container_id
+                except Exception:
+                    cid = ""
+                if cid:
+                    record["container_id"] = cid
+                    if memo is not None:
+                        self.containers[cid] = memo
+            self._emit(record)
+        elif method == REMOVE_CONTAINER and call.code == "OK":
+            try:
+                cid = pb.RemoveContainerRequest.FromString(call.request).container_id
+            except Exception:
+                return
+            self.containers.pop(cid, None)
+        elif method == REMOVE_POD_SANDBOX and call.code == "OK":
+            try:
+                sid = pb.RemovePodSandboxRequest.FromString(call.request).pod_sandbox_id
+            except Exception:
+                return
+            for cid in [c for c, k in self.containers.items() if k.sandbox_id == sid]:
+                self.containers.pop(cid, None)
+
+    # -- the two methods ---------------------------------------------------------
+    def _create(self, request: bytes) -> tuple[bytes, dict, KnownContainer | None]:
+        msg = pb.CreateContainerRequest.FromString(request)
+        pod = _pod_facts(msg.sandbox_config)
+        name = msg.config.metadata.name
+        base = {
+            "method": "CreateContainer",
+            "pod": f"{pod.namespace}/{pod.name}",
+            "pod_uid": pod.uid,
+            "container": name,
+            "sandbox_id": msg.pod_sandbox_id,
+        }
+        if not msg.config.HasField("linux") or not msg.config.linux.HasField("resources"):
+            return request, {**base, "event": "unchanged", "reason": "no linux resources in the request"}, None
+        resources = msg.config.linux.resources
+        decision = decide(pod, _container_facts(name, resources), self.node, self.policy)
+        memo = KnownContainer(msg.pod_sandbox_id, name, pod, decision.qos, decision.request)
+        record = {**base, **self._describe(decision)}
+        if not decision.changed:
+            return request, record, memo
+        _apply(resources, decision)
+        return msg.SerializeToString(), record, memo
+
+    def _update(self, request: bytes) -> tuple[bytes, dict]:
+        msg = pb.UpdateContainerResourcesRequest.FromString(request)
+        known = self.containers.get(msg.container_id)
+        base: dict[str, Any] = {"method": "UpdateContainerResources", "container_id": msg.container_id}
+        if known is not None:
+            base.update(pod=f"{known.pod.namespace}/{known.pod.name}", pod_uid=known.pod.uid, container=known.name)
+        else:
+            base.update(pod="", pod_uid="", container="")
+        if not msg.HasField("linux"):
+            return request, {**base, "event": "unchanged", "reason": "no linux resources in the request"}
+        resources = msg.linux
+        facts = _container_facts(known.name if known else "", resources)
+        request_override = None
+        if known is not None:
+            pod = known.pod
+            has_kubelet_value = any(
+                facts.unified.get(k, "0") not in ("", "0") for k in ("memory.min", "memory.low")
+            )
+            if has_kubelet_value:
+                request_override = None  # the update carries a new source: discover again
+            elif known.qos is QoSClass.GUARANTEED and facts.limit > 0:
+                request_override = Request(facts.limit, RequestSource.GUARANTEED_LIMIT)
+            else:
+                request_override = known.request
+            # The cgroup parent fixes the QoS class; the update's oom_score_adj is not needed.
+        else:
+            pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
+            base["note"] = "container not seen at creation: QoS and request from the update alone"
+        decision = decide(pod, facts, self.node, self.policy, request_override)
+        record = {**base, **self._describe(decision)}
+        if known is not None and request_override is known.request:
+            record["request_remembered"] = True
+        if not decision.changed:
+            return request, record
+        _apply(resources, decision)
+        return msg.SerializeToString(), record
+
+    def _describe(self, d: Decision) -> dict:
+        return {
+            "event": "rewrite" if d.changed else "unchanged",
+            "qos": d.qos.value,
+            "qos_source": d.qos_reason,
+            "request": d.request.bytes,
+            "request_source": d.request.source.value,
+            **({"request_note": d.request.note} if d.request.note else {}),
+            "limit": d.limit,
+            "allocatable": self.node.allocatable,
+            "factor": self.node.factor,
+            "page_size": self.node.page_size,
+            "policy": self.policy.value,
+            "unified_before": dict(d.unified_before),
+            "unified_after": dict(d.unified_after),
+            "reasons": dict(d.reasons),
+        }

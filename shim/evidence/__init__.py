@@ -1,0 +1,1 @@
+"""Evidence: audit records and traces, written off the hot path."""

@@ -1,0 +1,511 @@
+"""The CRI proxy: a grpc.aio server on the kubelet's endpoint, one grpc.aio channel upstream.
+
+Every call is relayed as raw bytes (identity serializers, nothing is parsed here):
+
+* the 43 runtime.v1 methods are registered once at start, unary ones as unary-unary relays,
+  server-streaming ones (GetContainerEvents, Stream*) as unary-stream relays that forward each
+  message as it arrives;
+* any other method or service (``/runtime.v1alpha2.RuntimeService/Version``,
+  ``/runtime.v1.RuntimeService/NoSuch``) goes through a generic stream-stream relay, which
+  carries any cardinality on the wire; the upstream's answer, UNIMPLEMENTED included, comes
+  back unchanged.
+
+Status code, details, initial and trailing metadata (``grpc-status-details-bin`` included),
+request metadata, the client's deadline and cancellation are passed through. The hooks of
+``shim.transport.hooks`` are called on the event loop; an exception in either one is logged and
+never fails the call.
+"""
+from __future__ import annotations
+
+import asyncio
+import grp
+import logging
+import os
+import socket
+import stat
+import tempfile
+import time
+from typing import Any, Callable, Iterable
+
+import grpc
+
+from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, grpc_target, socket_path
+from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall
+from shim.transport.methods import CRI_METHODS
+
+log = logging.getLogger(__name__)
+
+# What FinishedCall keeps of one server stream; the client always gets every message.
+STREAM_RECORD_MAX_MESSAGES = 1000
+STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
+
+# Reconnect quickly when the runtime restarts (grpc's default backoff grows to 120 s, during
+# which every call would fail UNAVAILABLE although the runtime is back). A unix socket
+# connect is cheap, so probing once a second at worst costs nothing.
+_CHANNEL_BACKOFF_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+# Metadata the gRPC transport owns: never copied from one call to the other.
+_RESERVED_KEYS = frozenset({"user-agent", "content-type", "te", "host", "connection"})
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+def _request_metadata(metadata: Iterable[tuple[str, Any]]) -> tuple:
+    """The client's metadata minus what the transport sets itself (grpc-*, user-agent, ...)."""
+    return tuple(
+        (k, v)
+        for k, v in metadata
+        if k not in _RESERVED_KEYS and not k.startswith(("grpc-", ":"))
+    )
+
+
+def _response_metadata(metadata: Iterable[tuple[str, Any]] | None) -> tuple:
+    """Upstream initial/trailing metadata to hand back; keeps grpc-status-details-bin."""
+    if not metadata:
+        return ()
+    return tuple(
+        (k, v)
+        for k, v in metadata
+        if k == _STATUS_DETAILS_KEY
+        or (k not in _RESERVED_KEYS and not k.startswith(("grpc-", ":")))
+    )
+
+
+class _ThrottledErrorLog:
+    """log.exception at most once per interval, counting what it swallowed in between."""
+
+    def __init__(self, what: str, interval: float = 10.0) -> None:
+        self._what = what
+        self._interval = interval
+        self._next = 0.0
+        self._suppressed = 0
+
+    def __call__(self, method: str, problem: str | None = None) -> None:
+        """Call from an except block (logs the traceback), or pass ``problem``."""
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        suppressed, self._suppressed = self._suppressed, 0
+        self._next = now + self._interval
+        log.error(
+            "%s hook failed for %s%s; the call goes on unaffected%s",
+            self._what,
+            method,
+            f": {problem}" if problem else "",
+            f" ({suppressed} more such failures in the last {self._interval:.0f} s)" if suppressed else "",
+            exc_info=problem is None,
+        )
+
+
+def _resolve_gid(group: str | int) -> int:
+    if isinstance(group, bool):
+        raise ValueError(f"socket_group must be a group name or gid, not {group!r}")
+    if isinstance(group, int):
+        if group < 0:
+            raise ValueError(f"socket_group: invalid gid {group}")
+        return group
+    if isinstance(group, str) and group.strip():
+        name = group.strip()
+        if name.isdigit():
+            return int(name)
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise ValueError(f"socket_group: no such group {name!r}") from None
+    raise ValueError(f"socket_group must be a group name or gid, not {group!r}")
+
+
+class CriProxy:
+    """Serve the CRI on ``listen`` and relay every call to ``upstream``.
+
+    ``socket_mode`` is the listening socket's mode. It may never grant access to other
+    users; group bits need ``socket_group``. With a group and the default mode the socket is
+    0660, owned by that group.
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        upstream: str,
+        hooks: CallHooks,
+        *,
+        socket_mode: int = 0o600,
+        socket_group: str | int | None = None,
+        max_message_bytes: int = 128 * 1024 * 1024,
+    ) -> None:
+        self.listen_path = socket_path(listen)
+        self.upstream_target = grpc_target(upstream)
+        if self.listen_path == socket_path(upstream):
+            raise ValueError(f"listen and upstream are the same socket: {self.listen_path}")
+        if not isinstance(socket_mode, int) or socket_mode & ~0o777:
+            raise ValueError(f"socket_mode must be permission bits (0o000-0o777), not {socket_mode!r}")
+        if socket_mode & 0o007:
+            raise ValueError(
+                f"socket_mode {socket_mode:#o} gives other users access to the CRI socket; "
+                "use a group (socket_group) instead"
+            )
+        if socket_group is None:
+            if socket_mode & 0o070:
+                raise ValueError(
+                    f"socket_mode {socket_mode:#o} grants group access but no socket_group is set"
+                )
+        elif socket_mode == 0o600:
+            socket_mode = 0o660
+        self.socket_mode = socket_mode
+        self.socket_group = socket_group
+        if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be a positive int, not {max_message_bytes!r}")
+        self.max_message_bytes = max_message_bytes
+        self.hooks = hooks
+        self.stream_record_max_messages = STREAM_RECORD_MAX_MESSAGES
+        self.stream_record_max_bytes = STREAM_RECORD_MAX_BYTES
+
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
+        self._stopped = False
+        self._rewrite_failed = _ThrottledErrorLog("rewrite")
+        self._finished_failed = _ThrottledErrorLog("finished")
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError("CriProxy.start() called twice")
+        gid = None if self.socket_group is None else _resolve_gid(self.socket_group)
+        size_options = (
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        )
+        channel = grpc.aio.insecure_channel(
+            self.upstream_target, options=size_options + _CHANNEL_BACKOFF_OPTIONS
+        )
+        server = grpc.aio.server(options=size_options)
+        try:
+            by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+            for m in CRI_METHODS:
+                by_service.setdefault(m.service, {})[m.name] = self._method_handler(channel, m)
+            for service, handlers in by_service.items():
+                server.add_registered_method_handlers(service, handlers)
+            server.add_generic_rpc_handlers([_GenericRelay(self._relay_any_method)])
+            self._channel = channel
+            self._bind(server, gid)
+            await server.start()
+        except BaseException:
+            self._channel = None
+            await server.stop(None)
+            await channel.close()
+            self._remove_socket()
+            raise
+        self._server = server
+        log.info(
+            "CRI proxy serving on %s (mode %#o%s), upstream %s",
+            self.listen_path,
+            self.socket_mode,
+            "" if gid is None else f", group {gid}",
+            self.upstream_target,
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, give calls in flight ``grace`` seconds, close the channel,
+        remove the socket file (only if it is still ours)."""
+        if self._server is None or self._stopped:
+            return
+        self._stopped = True
+        try:
+            await self._server.stop(grace)
+        finally:
+            if self._channel is not None:
+                await self._channel.close()
+            self._remove_socket()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is None:
+            raise RuntimeError("CriProxy is not started")
+        await self._server.wait_for_termination()
+
+    # ----------------------------------------------------------------- socket
+
+    def _bind(self, server: grpc.aio.Server, gid: int | None) -> None:
+        """Bind in a fresh 0700 directory, set mode and group, then rename into place.
+
+        The socket is reachable only through the private directory until its permissions are
+        final, so it is never open to other users, whatever the umask. rename() atomically
+        replaces a stale socket: the path never goes missing.
+        """
+        path = self.listen_path
+        parent = os.path.dirname(path)
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+        self._check_replaceable(path)
+        tmpdir = tempfile.mkdtemp(prefix=".shim-", dir=parent)  # mode 0700
+        tmp_sock = os.path.join(tmpdir, "s")
+        try:
+            if len(tmp_sock.encode()) > MAX_UNIX_PATH_BYTES:
+                raise ValueError(
+                    f"listen socket path {path!r} is too long: binding it needs "
+                    f"{len(tmp_sock.encode())} bytes ({tmp_sock!r}), unix sockets allow "
+                    f"{MAX_UNIX_PATH_BYTES}"
+                )
+            if server.add_insecure_port("unix:" + tmp_sock) == 0:
+                raise OSError(f"could not bind a unix socket at {tmp_sock}")
+            os.chmod(tmp_sock, self.socket_mode)
+            if gid is not None:
+                os.chown(tmp_sock, -1, gid)
+            self._check_replaceable(path)
+            os.rename(tmp_sock, path)
+            st = os.lstat(path)
+            self._socket_id = (st.st_dev, st.st_ino)
+        finally:
+            try:
+                os.unlink(tmp_sock)
+            except FileNotFoundError:
+                pass
+            os.rmdir(tmpdir)
+
+    @staticmethod
+    def _check_replaceable(path: str) -> None:
+        """Nothing at path, or a stale socket. Refuse anything else."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(
+                f"{path} exists and is not a socket; refusing to replace it (remove it "
+                "yourself if it is really meant to be the CRI socket)"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return  # stale: nobody listens
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise OSError(
+                f"{path}: cannot tell whether another process serves on this socket ({e}); "
+                "refusing to replace it"
+            ) from e
+        finally:
+            probe.close()
+        raise OSError(
+            f"{path}: another process is serving on this socket; refusing to replace it "
+            "(is another memqos-shim running?)"
+        )
+
+    def _remove_socket(self) -> None:
+        if self._socket_id is None:
+            return
+        try:
+            st = os.lstat(self.listen_path)
+            if (st.st_dev, st.st_ino) == self._socket_id:
+                os.unlink(self.listen_path)
+            else:
+                log.warning("%s was replaced by someone else; leaving it", self.listen_path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            log.exception("could not remove %s", self.listen_path)
+        self._socket_id = None
+
+    # ----------------------------------------------------------------- relays
+
+    def _method_handler(self, channel: grpc.aio.Channel, m) -> grpc.RpcMethodHandler:
+        if m.client_streaming:  # none in runtime.v1; relay like an unknown method if one appears
+            return grpc.stream_stream_rpc_method_handler(self._any_relay_for(m.path))
+        if m.server_streaming:
+            upstream = channel.unary_stream(m.path, _registered_method=True)
+            return grpc.unary_stream_rpc_method_handler(self._stream_relay(m.path, upstream))
+        upstream = channel.unary_unary(m.path, _registered_method=True)
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary_relay(m.path, upstream, m.path in REWRITTEN_METHODS)
+        )
+
+    def _rewritten(self, method: str, request: bytes) -> bytes:
+        """What goes upstream: the hook's bytes, or the original ones if the hook fails."""
+        try:
+            out = self.hooks.rewrite(method, request)
+        except Exception:
+            self._rewrite_failed(method)
+            return request
+        if type(out) is bytes:
+            return out
+        if isinstance(out, (bytearray, memoryview)):
+            return bytes(out)
+        self._rewrite_failed(method, f"returned {type(out).__name__}, not bytes; forwarding the original")
+        return request
+
+    def _finished(self, call: FinishedCall) -> None:
+        try:
+            self.hooks.finished(call)
+        except Exception:
+            self._finished_failed(call.method)
+
+    @staticmethod
+    def _ended_code(context: grpc.aio.ServicerContext) -> str:
+        remaining = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+
+    def _unary_relay(self, method: str, upstream: grpc.aio.UnaryUnaryMultiCallable, rewrite: bool):
+        finished = self._finished
+        rewritten = self._rewritten
+
+        async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            start = time.time()
+            t0 = time.perf_counter()
+            forwarded = None
+            out = request
+            if rewrite:
+                out = rewritten(method, request)
+                if out is not request and out != request:
+                    forwarded = out
+                else:
+                    out = request
+            call = upstream(
+                out,
+                timeout=context.time_remaining(),
+                metadata=_request_metadata(context.invocation_metadata()),
+            )
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                details = e.details() or ""
+                finished(
+                    FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
+                                 forwarded, [], code.name, details)
+                )
+                initial = _response_metadata(e.initial_metadata())
+                if initial:
+                    await context.send_initial_metadata(initial)
+                await context.abort(code, details, _response_metadata(e.trailing_metadata()))
+            except asyncio.CancelledError:
+                call.cancel()
+                finished(
+                    FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
+                                 forwarded, [], self._ended_code(context), "")
+                )
+                raise
+            initial = _response_metadata(await call.initial_metadata())
+            if initial:
+                await context.send_initial_metadata(initial)
+            trailing = _response_metadata(await call.trailing_metadata())
+            if trailing:
+                context.set_trailing_metadata(trailing)
+            finished(
+                FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
+                             forwarded, [response], "OK", "")
+            )
+            return response
+
+        return relay
+
+    def _stream_relay(self, method: str, upstream: grpc.aio.UnaryStreamMultiCallable):
+        async def relay(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            start = time.time()
+            t0 = time.perf_counter()
+            call = upstream(
+                request,
+                timeout=context.time_remaining(),
+                metadata=_request_metadata(context.invocation_metadata()),
+            )
+            await self._pump(method, start, t0, request, call, context, None)
+
+        return relay
+
+    def _any_relay_for(self, method: str):
+        async def relay(request_iterator, context: grpc.aio.ServicerContext) -> None:
+            await self._relay_any_method(method, request_iterator, context)
+
+        return relay
+
+    async def _relay_any_method(self, method: str, request_iterator, context) -> None:
+        """Generic relay: any method, any cardinality, bytes both ways."""
+        start = time.time()
+        t0 = time.perf_counter()
+        requests: list[bytes] = []
+
+        async def to_upstream():
+            async for message in request_iterator:
+                if len(requests) < self.stream_record_max_messages:
+                    requests.append(message)
+                yield message
+
+        call = self._channel.stream_stream(method)(
+            to_upstream(),
+            timeout=context.time_remaining(),
+            metadata=_request_metadata(context.invocation_metadata()),
+        )
+        await self._pump(method, start, t0, requests, call, context, None)
+
+    async def _pump(self, method, start, t0, request, call, context, forwarded) -> None:
+        """Forward each upstream message as it arrives, then the status; call finished().
+
+        ``request`` is bytes, or the list the generic relay fills while the call runs.
+        """
+        max_n = self.stream_record_max_messages
+        max_bytes = self.stream_record_max_bytes
+        kept: list[bytes] = []
+        kept_bytes = 0
+        truncated = False
+
+        def record(code: str, details: str, responses: list[bytes], truncated: bool) -> None:
+            req = request if type(request) is bytes else b"".join(request)
+            self._finished(
+                FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, req, forwarded,
+                             responses, code, details, truncated)
+            )
+
+        try:
+            initial = _response_metadata(await call.initial_metadata())
+            if initial:
+                await context.send_initial_metadata(initial)
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                if not truncated:
+                    if len(kept) < max_n and kept_bytes + len(message) <= max_bytes:
+                        kept.append(message)
+                        kept_bytes += len(message)
+                    else:
+                        truncated = True
+                await context.write(message)
+            trailing = _response_metadata(await call.trailing_metadata())
+            code = await call.code()
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            details = e.details() or ""
+            record(code.name, details, [], False)
+            await context.abort(code, details, _response_metadata(e.trailing_metadata()))
+        except asyncio.CancelledError:
+            call.cancel()
+            record(self._ended_code(context), "", [], False)
+            raise
+        if code is not grpc.StatusCode.OK:  # read() raises on errors; this is belt and braces
+            details = await call.details() or ""
+            record(code.name, details, [], False)
+            await context.abort(code, details, trailing)
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        record("OK", "", kept, truncated)
+
+
+class _GenericRelay(grpc.GenericRpcHandler):
+    """Routes every method not registered at start to the generic stream-stream relay."""
+
+    def __init__(self, relay: Callable) -> None:
+        self._relay = relay
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        relay = self._relay
+
+        async def handle(request_iterator, context):
+            await relay(method, request_iterator, context)
+
+        return grpc.stream_stream_rpc_method_handler(handle)
