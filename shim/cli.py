@@ -26,9 +26,9 @@ from shim.quantity import QuantityError, format_bytes, parse_bytes
 log = logging.getLogger("memqos-shim")
 
 _QOS_PARENTS = {
-    QoSClass.GUARANTEED: "/kubepods/pod-explain",
-    QoSClass.BURSTABLE: "/kubepods/burstable/pod-explain",
-    QoSClass.BESTEFFORT: "/kubepods/besteffort/pod-explain",
+    QoSClass.GUARANTEED: "/kubepods/pod0000",
+    QoSClass.BURSTABLE: "/kubepods/burstable/pod0000",
+    QoSClass.BESTEFFORT: "/kubepods/besteffort/pod0000",
 }
 
 

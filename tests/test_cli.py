@@ -1,0 +1,76 @@
+"""memqos-shim explain and config handling, run as a user would (a subprocess)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+Mi = 2**20
+
+
+def shim(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "shim", *args], capture_output=True, text=True, check=check)
+
+
+def test_explain_json_issue_example():
+    out = shim("explain", "--request", "128Mi", "--limit", "256Mi", "--allocatable", "32Gi",
+               "--factor", "0.9", "--page-size", "4096", "--json").stdout
+    doc = json.loads(out)  # exactly one JSON object on stdout
+    assert doc["unified"] == {"memory.min": "134217728", "memory.high": "255012864"}
+
+
+@pytest.mark.parametrize("req,factor,high", [(0, 0.9, 900), (100, 0.9, 910), (800, 0.9, 980), (900, 0.9, 990),
+                                             (500, 0.6, 800), (850, 0.8, 970), (500, 0.4, 700), (1000, 0.9, None)])
+def test_explain_json_kep_examples(req, factor, high):
+    doc = json.loads(shim("explain", "--request", f"{req}Mi", "--limit", "1000Mi", "--factor", str(factor),
+                          "--page-size", str(Mi), "--json").stdout)
+    assert doc["unified"].get("memory.high") == (None if high is None else str(high * Mi))
+
+
+def test_explain_besteffort_and_factor_none():
+    doc = json.loads(shim("explain", "--allocatable", "1000Mi", "--page-size", str(Mi), "--json").stdout)
+    assert doc["qos"] == "BestEffort" and doc["unified"] == {"memory.high": str(900 * Mi)}
+    doc = json.loads(shim("explain", "--request", "1Gi", "--limit", "2Gi", "--factor", "none", "--json").stdout)
+    assert doc["unified"] == {"memory.min": str(2**30)}
+
+
+def test_explain_readable_and_table():
+    text = shim("explain", "--request", "128Mi", "--limit", "256Mi", "--page-size", "4096").stdout
+    assert "memory.high  255012864" in text and "memory.min   134217728" in text
+    table = shim("explain", "--table").stdout
+    row800 = next(line for line in table.splitlines() if line.strip().startswith("800Mi"))
+    assert row800.split("|")[1].strip() == "980Mi"  # not the KEP's typo 960
+    row900 = next(line for line in table.splitlines() if line.strip().startswith("900Mi"))
+    assert row900.split("|")[1].strip() == "990Mi"
+
+
+def test_explain_bad_input_is_a_clear_error():
+    r = shim("explain", "--request", "lots", check=False)
+    assert r.returncode == 2 and "not a quantity" in r.stderr
+
+
+def test_serve_rejects_unknown_config_keys(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("listen: /tmp/x.sock\nfactr: 0.5\n")
+    r = shim("serve", "--config", str(cfg), check=False)
+    assert r.returncode == 2 and "unknown settings ['factr']" in r.stderr
+
+
+def test_serve_rejects_bad_factor():
+    r = shim("serve", "--factor", "1.5", check=False)
+    assert r.returncode == 2 and "--factor" in r.stderr
+
+
+def test_config_precedence(tmp_path):
+    import argparse
+
+    from shim.config import add_arguments, resolve
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("factor: 0.7\npolicy: tiered\nnode_allocatable: 30Gi\n")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    c = resolve(p.parse_args(["--config", str(cfg), "--factor", "none"]))
+    assert c.factor is None and c.origin["factor"] == "flag"
+    assert c.policy.value == "tiered" and c.node_allocatable == 30 * 2**30
+    assert c.listen == "unix:///run/memqos-shim/memqos-shim.sock" and c.origin["listen"] == "default"

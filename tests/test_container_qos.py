@@ -1,0 +1,93 @@
+"""The rewrite hooks on their own (no sockets): parsing, fail-open, memory for updates."""
+from __future__ import annotations
+
+from shim.container_qos import ContainerMemoryQoS
+from shim.cri import pb
+from shim.decision import NodeFacts, Policy
+from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+from tests.kubelet_requests import MI, create_container, sandbox_config, update_resources
+
+NODE = NodeFacts(capacity=2060419072, allocatable=1850703872, page_size=4096, factor=0.9)
+
+
+def run(hooks, method, request: bytes, response: bytes = b"", code="OK"):
+    forwarded = hooks.rewrite(method, request)
+    hooks.finished(FinishedCall(method, 0.0, 0.1, request, forwarded if forwarded != request else None,
+                                [response] if code == "OK" else [], code, ""))
+    return forwarded
+
+
+def test_garbage_is_forwarded_unchanged_with_a_fail_open_record():
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    garbage = b"\xff\xff\xff\xff not protobuf"
+    assert run(hooks, CREATE_CONTAINER, garbage) is garbage
+    assert records[0]["event"] == "fail-open"
+    assert "DecodeError" in records[0]["error"]
+
+
+def test_disabled_on_cgroup_v1_passes_through_without_records():
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append, enabled=False, disabled_reason="v1")
+    req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable",
+                           request=32 * MI, limit=128 * MI).SerializeToString()
+    assert run(hooks, CREATE_CONTAINER, req) is req
+    assert records == []
+
+
+def test_update_uses_pod_facts_remembered_at_creation():
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    sb = sandbox_config("p", "0a1b", "burstable", annotations={"memqos.io/requests": '{"main": "32Mi"}'})
+    req = create_container("s1", sb, "main", "burstable", request=32 * MI, limit=128 * MI)
+    run(hooks, CREATE_CONTAINER, req.SerializeToString(),
+        pb.CreateContainerResponse(container_id="c1").SerializeToString())
+    assert records[0]["container_id"] == "c1" and records[0]["request_source"] == "annotation"
+
+    upd = update_resources("c1", limit=256 * MI, oom_score_adj=984, unified={"memory.high": "max"})
+    out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
+    high = ((32 * MI) + int((256 * MI - 32 * MI) * 0.9)) // 4096 * 4096
+    assert dict(out.linux.unified) == {"memory.min": str(32 * MI), "memory.high": str(high)}
+    rec = records[1]
+    assert rec["pod"] == "default/p" and rec["container"] == "main" and rec["request_remembered"] is True
+    assert rec["unified_before"] == {"memory.high": "max"}
+
+
+def test_update_of_unknown_container_still_decides_from_the_update():
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    upd = update_resources("unknown", limit=64 * MI, oom_score_adj=-997)
+    out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
+    assert dict(out.linux.unified) == {"memory.min": str(64 * MI)}
+    assert "not seen at creation" in records[0]["note"]
+
+
+def test_removed_containers_are_forgotten():
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, lambda r: None)
+    req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable", request=32 * MI)
+    run(hooks, CREATE_CONTAINER, req.SerializeToString(), pb.CreateContainerResponse(container_id="c1").SerializeToString())
+    assert "c1" in hooks.containers
+    run(hooks, "/runtime.v1.RuntimeService/RemovePodSandbox",
+        pb.RemovePodSandboxRequest(pod_sandbox_id="s1").SerializeToString())
+    assert hooks.containers == {}
+
+
+def test_failed_create_is_audited_with_code_and_not_remembered():
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    req = create_container("s1", sandbox_config("p", "0a1b", "guaranteed"), "main", "guaranteed",
+                           request=64 * MI, limit=64 * MI)
+    run(hooks, CREATE_CONTAINER, req.SerializeToString(), code="NOT_FOUND")
+    assert records[0]["code"] == "NOT_FOUND"
+    assert hooks.containers == {}
+
+
+def test_unparsed_fields_survive_the_rewrite():
+    """A newer kubelet's fields this proto does not know must reach the runtime."""
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, lambda r: None)
+    req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable",
+                           request=32 * MI, limit=128 * MI).SerializeToString()
+    unknown_field = b"\xa2\x06\x03abc"  # field 100, length-delimited, at the top level
+    out = run(hooks, CREATE_CONTAINER, req + unknown_field)
+    assert out != req + unknown_field
+    assert out.endswith(unknown_field) or unknown_field in out
