@@ -6,6 +6,7 @@ forwards the kubelet's original bytes and leaves a fail-open audit record.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, F
 
 log = logging.getLogger(__name__)
 
+# Left on every container the shim creates, so a restarted shim can rebuild pod-level
+# sums from the runtime alone (ListContainers / ContainerStatus return annotations).
+CONTAINER_ANNOTATION = "memqos.io/request"
 REMOVE_CONTAINER = "/runtime.v1.RuntimeService/RemoveContainer"
 REMOVE_POD_SANDBOX = "/runtime.v1.RuntimeService/RemovePodSandbox"
 MAX_PENDING = 4096
@@ -183,9 +187,16 @@ class ContainerMemoryQoS:
         decision = decide(pod, _container_facts(name, resources), self.node, self.policy)
         memo = KnownContainer(msg.pod_sandbox_id, name, pod, decision.qos, decision.request)
         record = {**base, **self._describe(decision)}
-        if not decision.changed:
+        note = json.dumps(
+            {"bytes": decision.request.bytes, "source": decision.request.source.value,
+             "qos": decision.qos.value, "cgroup_parent": pod.cgroup_parent},
+            separators=(",", ":"),
+        )
+        if decision.changed:
+            _apply(resources, decision)
+        elif msg.config.annotations.get(CONTAINER_ANNOTATION) == note:
             return request, record, memo
-        _apply(resources, decision)
+        msg.config.annotations[CONTAINER_ANNOTATION] = note
         return msg.SerializeToString(), record, memo
 
     def _update(self, request: bytes) -> tuple[bytes, dict]:

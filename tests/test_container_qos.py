@@ -91,3 +91,21 @@ def test_unparsed_fields_survive_the_rewrite():
     out = run(hooks, CREATE_CONTAINER, req + unknown_field)
     assert out != req + unknown_field
     assert out.endswith(unknown_field) or unknown_field in out
+
+
+def test_created_container_carries_the_request_for_restart_recovery():
+    import json
+
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, lambda r: None)
+    sb = sandbox_config("p", "0a1b", "burstable")
+    req = create_container("s1", sb, "main", "burstable", request=32 * MI, limit=128 * MI,
+                           unified={"memory.min": str(32 * MI)})
+    out = pb.CreateContainerRequest.FromString(run(hooks, CREATE_CONTAINER, req.SerializeToString()))
+    note = json.loads(out.config.annotations["memqos.io/request"])
+    assert note == {"bytes": 32 * MI, "source": "kubelet-unified", "qos": "Burstable",
+                    "cgroup_parent": "/kubepods/burstable/pod0a1b"}
+    # everything but the annotation and unified is what the kubelet sent
+    out.config.annotations.pop("memqos.io/request")
+    out.config.linux.resources.unified.clear()
+    req.config.linux.resources.unified.clear()
+    assert out == req
