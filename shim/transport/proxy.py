@@ -52,6 +52,35 @@ _CHANNEL_BACKOFF_OPTIONS = (
 _RESERVED_KEYS = frozenset({"user-agent", "content-type", "te", "host", "connection"})
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
+def _upstream_timeout(remaining: float | None) -> float | None:
+    """The upstream call's timeout, so that its deadline is not later than the client's.
+
+    grpc core sends a timeout rounded *up* to three significant digits (1 ms below 1 s, 10 ms
+    below 10 s, 100 ms below 100 s, 1 s below 1000 s, ...; timeout_encoding.cc), and its clock
+    reads a little stale, so forwarding ``remaining`` as is would give the runtime up to 1 %
+    more time than the kubelet waits (+1 s on a 2-minute call). Round down to that grid, less a
+    few milliseconds, so the round-up lands on or before our own deadline.
+    """
+    if remaining is None:
+        return None
+    if remaining < 1.0:
+        grid = 0.001
+    elif remaining < 10.0:
+        grid = 0.01
+    elif remaining < 100.0:
+        grid = 0.1
+    elif remaining < 1000.0:
+        grid = 1.0
+    elif remaining < 10000.0:
+        grid = 10.0
+    elif remaining < 100000.0:
+        grid = 100.0
+    else:
+        grid = 3600.0
+    timeout = (remaining // grid) * grid - 0.005
+    return timeout if timeout > 0.0 else 0.0
+
+
 def _request_metadata(metadata: Iterable[tuple[str, Any]]) -> tuple:
     """The client's metadata minus what the transport sets itself (grpc-*, user-agent, ...)."""
     return tuple(
@@ -346,9 +375,18 @@ class CriProxy:
             self._finished_failed(call.method)
 
     @staticmethod
-    def _ended_code(context: grpc.aio.ServicerContext) -> str:
+    def _ended_code(context: grpc.aio.ServicerContext, timeout: float | None) -> str:
+        """Why a call the server cancelled under us ended: its deadline or the client.
+
+        A client's own timer fires a little before ours (the timeout reached us rounded up, by
+        up to 1 % from a grpc-core client), so "deadline" means "within that margin of it".
+        """
+        if timeout is None:
+            return "CANCELLED"
         remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        if remaining is not None and remaining <= 0.011 * timeout + 0.02:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED"
 
     def _unary_relay(self, method: str, upstream: grpc.aio.UnaryUnaryMultiCallable, rewrite: bool):
         finished = self._finished
@@ -365,9 +403,10 @@ class CriProxy:
                     forwarded = out
                 else:
                     out = request
+            timeout = context.time_remaining()
             call = upstream(
                 out,
-                timeout=context.time_remaining(),
+                timeout=_upstream_timeout(timeout),
                 metadata=_request_metadata(context.invocation_metadata()),
             )
             try:
@@ -387,7 +426,7 @@ class CriProxy:
                 call.cancel()
                 finished(
                     FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
-                                 forwarded, [], self._ended_code(context), "")
+                                 forwarded, [], self._ended_code(context, timeout), "")
                 )
                 raise
             initial = _response_metadata(await call.initial_metadata())
@@ -408,12 +447,13 @@ class CriProxy:
         async def relay(request: bytes, context: grpc.aio.ServicerContext) -> None:
             start = time.time()
             t0 = time.perf_counter()
+            timeout = context.time_remaining()
             call = upstream(
                 request,
-                timeout=context.time_remaining(),
+                timeout=_upstream_timeout(timeout),
                 metadata=_request_metadata(context.invocation_metadata()),
             )
-            await self._pump(method, start, t0, request, call, context, None)
+            await self._pump(method, start, t0, request, call, context, timeout)
 
         return relay
 
@@ -435,14 +475,15 @@ class CriProxy:
                     requests.append(message)
                 yield message
 
+        timeout = context.time_remaining()
         call = self._channel.stream_stream(method)(
             to_upstream(),
-            timeout=context.time_remaining(),
+            timeout=_upstream_timeout(timeout),
             metadata=_request_metadata(context.invocation_metadata()),
         )
-        await self._pump(method, start, t0, requests, call, context, None)
+        await self._pump(method, start, t0, requests, call, context, timeout)
 
-    async def _pump(self, method, start, t0, request, call, context, forwarded) -> None:
+    async def _pump(self, method, start, t0, request, call, context, timeout) -> None:
         """Forward each upstream message as it arrives, then the status; call finished().
 
         ``request`` is bytes, or the list the generic relay fills while the call runs.
@@ -456,7 +497,7 @@ class CriProxy:
         def record(code: str, details: str, responses: list[bytes], truncated: bool) -> None:
             req = request if type(request) is bytes else b"".join(request)
             self._finished(
-                FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, req, forwarded,
+                FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, req, None,
                              responses, code, details, truncated)
             )
 
@@ -484,7 +525,7 @@ class CriProxy:
             await context.abort(code, details, _response_metadata(e.trailing_metadata()))
         except asyncio.CancelledError:
             call.cancel()
-            record(self._ended_code(context), "", [], False)
+            record(self._ended_code(context, timeout), "", [], False)
             raise
         if code is not grpc.StatusCode.OK:  # read() raises on errors; this is belt and braces
             details = await call.details() or ""
