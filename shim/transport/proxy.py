@@ -18,6 +18,7 @@ never fails the call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import grp
 import logging
 import os
@@ -51,6 +52,7 @@ _CHANNEL_BACKOFF_OPTIONS = (
 # Metadata the gRPC transport owns: never copied from one call to the other.
 _RESERVED_KEYS = frozenset({"user-agent", "content-type", "te", "host", "connection"})
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
 
 def _upstream_timeout(remaining: float | None) -> float | None:
     """The upstream call's timeout, so that its deadline is not later than the client's.
@@ -345,7 +347,7 @@ class CriProxy:
 
     def _method_handler(self, channel: grpc.aio.Channel, m) -> grpc.RpcMethodHandler:
         if m.client_streaming:  # none in runtime.v1; relay like an unknown method if one appears
-            return grpc.stream_stream_rpc_method_handler(self._any_relay_for(m.path))
+            return grpc.stream_stream_rpc_method_handler(functools.partial(self._relay_any_method, m.path))
         if m.server_streaming:
             upstream = channel.unary_stream(m.path, _registered_method=True)
             return grpc.unary_stream_rpc_method_handler(self._stream_relay(m.path, upstream))
@@ -411,6 +413,10 @@ class CriProxy:
             )
             try:
                 response = await call
+                initial = _response_metadata(await call.initial_metadata())
+                if initial:
+                    await context.send_initial_metadata(initial)
+                trailing = _response_metadata(await call.trailing_metadata())
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 details = e.details() or ""
@@ -429,10 +435,13 @@ class CriProxy:
                                  forwarded, [], self._ended_code(context, timeout), "")
                 )
                 raise
-            initial = _response_metadata(await call.initial_metadata())
-            if initial:
-                await context.send_initial_metadata(initial)
-            trailing = _response_metadata(await call.trailing_metadata())
+            except Exception as e:  # a bug here, or grpc misbehaving: the client gets UNKNOWN
+                call.cancel()
+                finished(
+                    FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
+                                 forwarded, [], "UNKNOWN", f"proxy error: {e!r}")
+                )
+                raise
             if trailing:
                 context.set_trailing_metadata(trailing)
             finished(
@@ -457,22 +466,20 @@ class CriProxy:
 
         return relay
 
-    def _any_relay_for(self, method: str):
-        async def relay(request_iterator, context: grpc.aio.ServicerContext) -> None:
-            await self._relay_any_method(method, request_iterator, context)
-
-        return relay
-
     async def _relay_any_method(self, method: str, request_iterator, context) -> None:
         """Generic relay: any method, any cardinality, bytes both ways."""
         start = time.time()
         t0 = time.perf_counter()
         requests: list[bytes] = []
+        max_n = self.stream_record_max_messages
+        budget = self.stream_record_max_bytes
 
         async def to_upstream():
+            nonlocal budget
             async for message in request_iterator:
-                if len(requests) < self.stream_record_max_messages:
+                if len(requests) < max_n and len(message) <= budget:
                     requests.append(message)
+                    budget -= len(message)
                 yield message
 
         timeout = context.time_remaining()
@@ -527,6 +534,10 @@ class CriProxy:
             call.cancel()
             record(self._ended_code(context, timeout), "", [], False)
             raise
+        except Exception as e:  # a bug here, or grpc misbehaving: the client gets UNKNOWN
+            call.cancel()
+            record("UNKNOWN", f"proxy error: {e!r}", [], False)
+            raise
         if code is not grpc.StatusCode.OK:  # read() raises on errors; this is belt and braces
             details = await call.details() or ""
             record(code.name, details, [], False)
@@ -543,10 +554,6 @@ class _GenericRelay(grpc.GenericRpcHandler):
         self._relay = relay
 
     def service(self, handler_call_details):
-        method = handler_call_details.method
-        relay = self._relay
-
-        async def handle(request_iterator, context):
-            await relay(method, request_iterator, context)
-
-        return grpc.stream_stream_rpc_method_handler(handle)
+        return grpc.stream_stream_rpc_method_handler(
+            functools.partial(self._relay, handler_call_details.method)
+        )
