@@ -506,7 +506,13 @@ def test_serve_fake_runtime_with_asyncio(tmp_path):
         finally:
             await server.stop(None)
 
-    asyncio.run(main())
+    # not asyncio.run(): it leaves the main thread's policy with "no current event loop",
+    # which breaks later tests that still call asyncio.get_event_loop()
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
 
 
 def test_handle_without_grpc():
