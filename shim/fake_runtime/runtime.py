@@ -1047,7 +1047,7 @@ class FakeRuntime:
                     continue
                 if any(sb.config.labels.get(k) != v for k, v in f.label_selector.items()):
                     continue
-            item = resp.items.add(
+            resp.items.add(
                 id=sb.id,
                 metadata=sb.config.metadata,
                 state=sb.state,
@@ -1056,7 +1056,6 @@ class FakeRuntime:
                 annotations=sb.config.annotations,
                 runtime_handler=sb.runtime_handler,
             )
-            del item  # built in place
         return resp
 
     def _update_pod_sandbox_resources(
