@@ -227,7 +227,7 @@ class ContainerMemoryQoS:
         else:
             pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
             base["note"] = "container not seen at creation: QoS and request from the update alone"
-        decision = decide(pod, facts, self.node, self.policy, request_override)
+        decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True)
         record = {**base, **self._describe(decision)}
         if known is not None and request_override is known.request:
             record["request_remembered"] = True

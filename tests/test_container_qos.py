@@ -47,7 +47,7 @@ def test_update_uses_pod_facts_remembered_at_creation():
     upd = update_resources("c1", limit=256 * MI, oom_score_adj=984, unified={"memory.high": "max"})
     out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
     high = ((32 * MI) + int((256 * MI - 32 * MI) * 0.9)) // 4096 * 4096
-    assert dict(out.linux.unified) == {"memory.min": str(32 * MI), "memory.high": str(high)}
+    assert dict(out.linux.unified) == {"memory.min": str(32 * MI), "memory.high": str(high), "memory.low": "0"}
     rec = records[1]
     assert rec["pod"] == "default/p" and rec["container"] == "main" and rec["request_remembered"] is True
     assert rec["unified_before"] == {"memory.high": "max"}
@@ -58,8 +58,24 @@ def test_update_of_unknown_container_still_decides_from_the_update():
     hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
     upd = update_resources("unknown", limit=64 * MI, oom_score_adj=-997)
     out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
-    assert dict(out.linux.unified) == {"memory.min": str(64 * MI)}
+    assert dict(out.linux.unified) == {"memory.min": str(64 * MI), "memory.low": "0", "memory.high": "max"}
     assert "not seen at creation" in records[0]["note"]
+
+
+def test_update_to_request_equal_limit_resets_memory_high():
+    """containerd merges an update's unified into the container's: a memory.high that no
+    longer applies must be sent as "max", not left out."""
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    sb = sandbox_config("p", "0a1b", "burstable", annotations={"memqos.io/requests": '{"main": "64Mi"}'})
+    req = create_container("s1", sb, "main", "burstable", request=64 * MI, limit=128 * MI)
+    created = pb.CreateContainerRequest.FromString(run(
+        hooks, CREATE_CONTAINER, req.SerializeToString(), pb.CreateContainerResponse(container_id="c1").SerializeToString()))
+    assert "memory.high" in created.config.linux.resources.unified
+    upd = update_resources("c1", limit=64 * MI, oom_score_adj=969)
+    out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
+    assert out.linux.unified["memory.high"] == "max"
+    assert out.linux.unified["memory.min"] == str(64 * MI)
 
 
 def test_removed_containers_are_forgotten():

@@ -19,6 +19,10 @@ from shim.decision.qos import qos_class
 from shim.decision.request import resolve_request
 
 
+# The kernel's defaults: no protection, no throttling.
+NEUTRAL = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
+
+
 def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> int:
     """floor(req + (ceiling - req) * factor) in IEEE float64 like the kubelet, then
     rounded down to a whole page with integer arithmetic. ceiling is the limit, or
@@ -78,11 +82,16 @@ def decide(
     node: NodeFacts,
     policy: Policy,
     request: Request | None = None,
+    *,
+    reset_absent: bool = False,
 ) -> Decision:
     """What the shim puts in the container's unified map, and why.
 
     `request` overrides request discovery (updates remember the creation's request;
-    explain states it)."""
+    explain states it). `reset_absent` (updates): a key the shim does not set gets its
+    neutral value ("0", or "max" for memory.high) instead of being left out, because
+    containerd merges an update's unified map into the container's and never removes
+    a key -- leaving it out would keep the old value in force."""
     qos, qos_reason = qos_class(pod.cgroup_parent, container.oom_score_adj)
     req = request if request is not None else resolve_request(pod, container, qos, node.capacity)
     desired, reasons = _protection(policy, qos, req)
@@ -99,6 +108,9 @@ def decide(
                 reasons[key] += f"; replaces kubelet's {before[key]!r}"
             elif key in before:
                 reasons[key] += "; same as kubelet's"
+        elif reset_absent:
+            after[key] = NEUTRAL[key]
+            reasons[key] += f"; set to {NEUTRAL[key]!r} so an earlier value does not stay in force"
         elif key in before:
             reasons[key] += f"; kubelet's {before[key]!r} removed"
     return Decision(
