@@ -79,7 +79,8 @@ def _fmt_unified(u: dict) -> str:
     return "{" + ", ".join(f"{k}={v}" for k, v in sorted(u.items())) + "}"
 
 
-def print_audit_table(records: list[dict], out=sys.stdout) -> None:
+def print_audit_table(records: list[dict], out=None) -> None:
+    out = out or sys.stdout
     rows = [r for r in records if r.get("method") in ("CreateContainer", "UpdateContainerResources")]
     header = ("method", "pod/container", "QoS", "request (source)", "limit", "unified before -> after")
     print(f"{header[0]:<24} {header[1]:<22} {header[2]:<10} {header[3]:<28} {header[4]:>10}  {header[5]}", file=out)
@@ -127,8 +128,7 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
         print(f"memqos-shim on {shim_sock} -> fake runtime on {runtime_sock}; node: 8Gi, "
               f"kubeReserved 100Mi, systemReserved 100Mi, factor 0.9, page 4096\n")
         drive(f"unix://{shim_sock}", cgroot)
-        time.sleep(0.5)  # let the audit writer catch up
-        records = [json.loads(line) for line in audit.read_text().splitlines() if line.strip()]
+        records = _read_audit(audit, expect=sum(len(p[4]) for p in PODS) + 1)
         print_audit_table(records)
         levels = sorted(p for p in cgroot.rglob("memory.min") if p.read_text().strip() not in ("", "0"))
         if levels:
@@ -148,6 +148,17 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def _read_audit(path: Path, expect: int, timeout: float = 10) -> list[dict]:
+    """The audit writer is asynchronous: wait (bounded) until the decisions are written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        done = sum(1 for r in records if r.get("method") in ("CreateContainer", "UpdateContainerResources"))
+        if done >= expect or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
 
 
 def drive(target: str, cgroot: Path) -> None:
