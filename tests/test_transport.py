@@ -49,8 +49,13 @@ def loop():
     loop.close()
 
 
-def run(loop, coro, timeout: float = 30.0):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+def run(loop, aw, timeout: float = 30.0):
+    """Run a coroutine, or a function returning an awaitable (so that grpc calls are created
+    inside the running loop), on the module's loop."""
+    async def main():
+        return await (aw() if callable(aw) else aw)
+
+    return loop.run_until_complete(asyncio.wait_for(main(), timeout))
 
 
 class RecordingHooks:
@@ -185,7 +190,7 @@ def test_empty_request_and_empty_response_pass(loop, stack):
     # Version with no fields set: b"" both ways is a valid message and must not be confused
     # with "no message".
     stack.echo.behave(VERSION, response_size=None)
-    resp = run(loop, stack.unary(VERSION)(b"", timeout=5))
+    resp = run(loop, lambda: stack.unary(VERSION)(b"", timeout=5))
     assert resp == response_bytes(VERSION, b"")
     assert stack.echo.calls(VERSION)[0].request == b""
 
@@ -266,7 +271,7 @@ def test_stream_error_after_messages(loop, stack):
 def test_20mib_response(loop, stack):
     stack.echo.behave(PULL_IMAGE, response_size=20 * MiB)
     request = request_for(PULL_IMAGE)
-    resp = run(loop, stack.unary(PULL_IMAGE)(request, timeout=20))
+    resp = run(loop, lambda: stack.unary(PULL_IMAGE)(request, timeout=20))
     assert len(resp) > 20 * MiB
     assert resp == response_bytes(PULL_IMAGE, request, 0, 20 * MiB)
 
@@ -274,7 +279,7 @@ def test_20mib_response(loop, stack):
 def test_20mib_request(loop, stack):
     method = "/runtime.v1.RuntimeService/UpdateRuntimeConfig"
     request = length_delimited(1, os.urandom(20 * MiB))
-    resp = run(loop, stack.unary(method)(request, timeout=20))
+    resp = run(loop, lambda: stack.unary(method)(request, timeout=20))
     assert stack.echo.calls(method)[0].request == request
     assert resp == response_bytes(method, request)
 
@@ -343,7 +348,7 @@ def test_upstream_gets_the_remaining_time_not_the_original_timeout(loop, stack):
         return request
 
     stack.hooks.rewrite_fn = slow_rewrite
-    run(loop, stack.unary(CREATE_CONTAINER)(b"", timeout=5))
+    run(loop, lambda: stack.unary(CREATE_CONTAINER)(b"", timeout=5))
     [seen] = stack.echo.calls(CREATE_CONTAINER)
     assert seen.time_remaining is not None and 3.5 < seen.time_remaining <= 5.06 - 0.5
 
@@ -438,7 +443,7 @@ def test_unknown_method_gets_upstreams_unimplemented(loop, stack):
 
 
 def test_unknown_service_v1alpha2_is_forwarded(loop, stack):
-    resp = run(loop, stack.unary(V1ALPHA2_VERSION)(b"\n\x02v1", timeout=5))
+    resp = run(loop, lambda: stack.unary(V1ALPHA2_VERSION)(b"\n\x02v1", timeout=5))
     [seen] = stack.echo.calls(V1ALPHA2_VERSION)
     assert seen.request == b"\n\x02v1"
     assert b"v1alpha2" in resp and b"containerd" in resp
@@ -557,7 +562,7 @@ def test_rewrite_hook_gets_exactly_the_rewritten_methods(loop, stack):
 def test_rewrite_returning_equal_bytes_records_no_forwarded(loop, stack):
     stack.hooks.rewrite_fn = lambda method, request: bytes(bytearray(request))  # equal, not identical
     request = request_for(CREATE_CONTAINER)
-    run(loop, stack.unary(CREATE_CONTAINER)(request, timeout=5))
+    run(loop, lambda: stack.unary(CREATE_CONTAINER)(request, timeout=5))
     assert stack.echo.calls(CREATE_CONTAINER)[0].request == request
     assert stack.hooks.calls(CREATE_CONTAINER)[0].forwarded is None
 
@@ -571,7 +576,7 @@ def test_failing_rewrite_hook_forwards_original(loop, stack, bad):
 
     stack.hooks.rewrite_fn = broken
     request = request_for(UPDATE_CONTAINER_RESOURCES)
-    resp = run(loop, stack.unary(UPDATE_CONTAINER_RESOURCES)(request, timeout=5))
+    resp = run(loop, lambda: stack.unary(UPDATE_CONTAINER_RESOURCES)(request, timeout=5))
     assert resp == response_bytes(UPDATE_CONTAINER_RESOURCES, request)
     assert stack.echo.calls(UPDATE_CONTAINER_RESOURCES)[0].request == request
     [fc] = stack.hooks.calls(UPDATE_CONTAINER_RESOURCES)
@@ -630,7 +635,7 @@ def test_finished_call_fields(loop, stack):
 def test_stream_record_is_capped_but_client_gets_everything(loop, stack):
     stack.proxy.stream_record_max_messages = 5
     stack.echo.behave(EVENTS, stream_messages=8)
-    msgs = run(loop, collect(stack.stream(EVENTS)(b"", timeout=5)))
+    msgs = run(loop, lambda: collect(stack.stream(EVENTS)(b"", timeout=5)))
     assert msgs == [response_bytes(EVENTS, b"", i) for i in range(8)]
     [fc] = stack.hooks.calls(EVENTS)
     assert fc.responses == msgs[:5] and fc.truncated and fc.code == "OK"
@@ -658,7 +663,7 @@ def test_socket_is_0600_even_with_umask_0_and_parent_is_created(loop, tmp_path):
         assert st.st_uid == os.geteuid()
         # the private bind directory is gone
         assert os.listdir(os.path.dirname(s.listen_path)) == ["shim.sock"]
-        assert run(loop, s.unary(VERSION)(b"", timeout=5)) == response_bytes(VERSION, b"")
+        assert run(loop, lambda: s.unary(VERSION)(b"", timeout=5)) == response_bytes(VERSION, b"")
     finally:
         run(loop, s.stop())
     assert not os.path.exists(s.listen_path)  # removed on stop
@@ -732,7 +737,7 @@ def test_stale_socket_is_replaced(loop, tmp_path):
     try:
         assert os.lstat(s.listen_path).st_ino != old_ino
         assert _mode(s.listen_path) == 0o600
-        assert run(loop, s.unary(VERSION)(b"", timeout=5)) == response_bytes(VERSION, b"")
+        assert run(loop, lambda: s.unary(VERSION)(b"", timeout=5)) == response_bytes(VERSION, b"")
     finally:
         run(loop, s.stop())
 
@@ -766,7 +771,7 @@ def test_live_socket_is_not_stolen(loop, tmp_path):
         second = CriProxy(first.listen_path, first.upstream_path, RecordingHooks())
         with pytest.raises(OSError, match="another process is serving"):
             run(loop, second.start())
-        assert run(loop, first.unary(VERSION)(b"", timeout=5)) == response_bytes(VERSION, b"")
+        assert run(loop, lambda: first.unary(VERSION)(b"", timeout=5)) == response_bytes(VERSION, b"")
     finally:
         run(loop, first.stop())
 
