@@ -29,7 +29,7 @@ from shim.fake_runtime import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = Path("/work/shared/traces")
+TRACES = REPO.parent / "shared" / "traces"
 TRACE_OFF = TRACES / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
 TRACE_ON = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
