@@ -8,6 +8,7 @@ leave a node with defaults.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +61,29 @@ def _positive_float(v: Any) -> float:
     if n <= 0:
         raise ConfigError(f"must be positive: {v!r}")
     return n
+
+
+def _non_negative_int(v: Any) -> int:
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"not an integer: {v!r}")
+    if n < 0:
+        raise ConfigError(f"must be 0 or more: {v!r}")
+    return n
+
+
+def _regex(v: Any) -> str | None:
+    if v is None or str(v).strip().lower() in ("", "default"):
+        return None
+    text = str(v)
+    if text.strip().lower() == "all":
+        return "."
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise ConfigError(f"not a regular expression: {v!r} ({e})")
+    return text
 
 
 def _policy(v: Any) -> Policy:
@@ -115,6 +139,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("socket-mode", None, _octal_mode, "socket mode (octal); default 0600, or 0660 with --socket-group"),
     Option("meminfo", "/proc/meminfo", str, "where MemTotal is read from"),
     Option("log-level", "info", str, "debug, info, warning or error"),
+    Option("record", None, _optional_path,
+           "record every finished CRI call to FILE in the cri-trace format (request as the kubelet sent "
+           "it, forwarded bytes when rewritten, responses, code, timing); default: off", "FILE"),
+    Option("record-max-bytes", 64 * 1024 * 1024, _quantity,
+           "rotate the record file before it grows past this size (quantity)", "Q"),
+    Option("record-keep", 3, _non_negative_int, "rotated record files kept: FILE.1 ... FILE.N", "N"),
+    Option("record-methods", None, _regex,
+           "record only methods whose full path matches REGEX (re.search); default: every method except "
+           "the high-volume polling calls (ListContainerStats, ListPodSandboxStats, ContainerStats, "
+           "PodSandboxStats, ListContainers, ListPodSandbox, ContainerStatus, PodSandboxStatus, ImageFsInfo, "
+           "Status, Version, ListImages, ImageStatus); 'all' or '.' records every call", "REGEX"),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
 

@@ -33,6 +33,18 @@ class HookChain:
                 log.exception("observer %r failed on %s", observer, call.method)
 
 
+def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "") -> ContainerMemoryQoS:
+    """The CreateContainer / UpdateContainerResources rewriter exactly as `serve` builds it
+    (`memqos-shim replay` builds its request path with this too)."""
+    reason = "" if cgroup_v2 else f"{cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
+    return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason)
+
+
+def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
+    """The transport's CallHooks: the rewriter, then the observers (recorder, ...)."""
+    return HookChain(container_qos, observers)
+
+
 def protobuf_backend() -> str:
     from google.protobuf.internal import api_implementation
 
@@ -40,13 +52,15 @@ def protobuf_backend() -> str:
 
 
 class Service:
-    def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS):
+    def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
+                 recorder=None):
         self.cfg = cfg
         self.node = node
         self.kubelet = kubelet
         self.audit = audit
         self.container_qos = container_qos
-        self.hooks = HookChain(container_qos)
+        self.recorder = recorder  # shim.evidence.recorder.Recorder with --record
+        self.hooks = build_request_hooks(container_qos, [recorder] if recorder is not None else [])
         self.proxy = None
 
     @classmethod
@@ -59,8 +73,7 @@ class Service:
         node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
         v2 = is_cgroup_v2(cfg.cgroup_root)
         audit = AuditLog(cfg.audit_log).start()
-        reason = "" if v2 else f"{cfg.cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
-        qos = ContainerMemoryQoS(node, cfg.policy, audit.emit, enabled=v2, disabled_reason=reason)
+        qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root)
         backend = protobuf_backend()
         if backend != "upb":
             log.warning("protobuf backend is %r, not upb: each rewrite costs ~1 ms instead of ~10 us", backend)
@@ -83,7 +96,8 @@ class Service:
                  capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
         if kubelet.memory_qos_gate:
             log.warning("the kubelet's MemoryQoS feature gate is on: the shim overrides its memory.* keys")
-        return cls(cfg, node, kubelet, audit, qos)
+        recorder = start_recorder(cfg, node, kubelet, capacity, v2) if getattr(cfg, "record", None) else None
+        return cls(cfg, node, kubelet, audit, qos, recorder=recorder)
 
     async def start(self) -> None:
         from shim.transport.proxy import CriProxy
@@ -97,4 +111,30 @@ class Service:
     async def stop(self) -> None:
         if self.proxy is not None:
             await self.proxy.stop(grace=5)
+        if self.recorder is not None:
+            self.recorder.close()
         self.audit.close()
+
+
+def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool):
+    """--record: the trace recorder, its header holding the node facts and the settings the
+    shim decides with (so a replay of the recording reproduces its audit records)."""
+    from shim import __version__
+    from shim.evidence.recorder import Recorder, read_kubelet_config_doc, shim_header
+
+    header = shim_header(
+        version=__version__,
+        mem_total_bytes=capacity,
+        page_size=node.page_size,
+        cgroup_driver=kubelet.cgroup_driver,
+        kubelet_config=read_kubelet_config_doc(kubelet.source or None),
+        allocatable=node.allocatable,
+        factor=node.factor,
+        policy=cfg.policy.value,
+        cgroup_v2=cgroup_v2,
+        listen=cfg.listen,
+        upstream=cfg.upstream,
+        methods=cfg.record_methods or "default",
+    )
+    return Recorder(cfg.record, header, max_bytes=cfg.record_max_bytes, keep=cfg.record_keep,
+                    methods=cfg.record_methods).start()

@@ -1,0 +1,323 @@
+"""The recorder: every finished CRI call, appended to a file in the cri-trace format.
+
+``Recorder`` is an observer of the service's HookChain. ``finished()`` runs on the proxy's
+event loop, so it only checks the method filter and puts the call on a bounded queue; a
+writer thread base64-encodes, writes one JSON line and flushes it. A shim killed with
+SIGKILL therefore loses only the calls still in flight (and, at worst, the few the writer
+had not reached yet); every line already written is complete. If the writer falls behind
+(more than ``max_pending`` calls or ``max_pending_bytes`` of payload queued), calls are
+dropped and counted rather than slowing the kubelet down.
+
+Files: ``path`` is the current file. Before a call line would push it past ``max_bytes`` it
+is rotated: ``path`` -> ``path.1`` -> ... -> ``path.<keep>`` (the oldest is deleted; with
+``keep=0`` the file simply starts over). A recording already at ``path`` when the recorder
+starts is rotated the same way, so every file is one recording session. Each file starts
+with its own header line (node facts and the shim's settings), so each is a complete trace
+that ``memqos-shim replay`` and ``trace show`` can read on its own.
+
+Which calls: by default every method except the high-volume polling calls in
+``HIGH_VOLUME_METHODS`` (the kubelet's once-a-second relist, stats and status calls; in
+the shared kubelet traces they are ~95% of all calls). A ``methods`` regex replaces that
+default: a call is recorded when ``re.search(regex, method_path)`` matches, so ``.``
+records everything and ``Create|Update`` only the rewritten methods. ``seq`` counts every
+finished call, recorded or not, so gaps in ``seq`` show where calls were left out.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from typing import Any, Callable
+
+from shim.evidence.trace import TraceCall, utc_now
+
+log = logging.getLogger(__name__)
+
+# Left out by default (matched on the method name, for every service version).
+HIGH_VOLUME_METHODS = frozenset({
+    "ListContainerStats",
+    "ListPodSandboxStats",
+    "ContainerStats",
+    "PodSandboxStats",
+    "ListContainers",
+    "ListPodSandbox",
+    "ContainerStatus",
+    "PodSandboxStatus",
+    "ImageFsInfo",
+    "Status",
+    "Version",
+    "ListImages",
+    "ImageStatus",
+})
+ALL_METHODS = "."
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_KEEP = 3
+
+_STOP = object()
+
+
+class MethodFilter:
+    """Which method paths to record: ``None`` = all but HIGH_VOLUME_METHODS, else a regex
+    searched in the full path ("all" is accepted for ".")."""
+
+    def __init__(self, pattern: str | None = None):
+        if pattern is not None and pattern.strip().lower() == "all":
+            pattern = ALL_METHODS
+        self.pattern = pattern
+        self._regex = re.compile(pattern) if pattern is not None else None
+        self._cache: dict[str, bool] = {}
+
+    def __call__(self, method: str) -> bool:
+        keep = self._cache.get(method)
+        if keep is None:
+            if self._regex is None:
+                keep = method.rsplit("/", 1)[-1] not in HIGH_VOLUME_METHODS
+            else:
+                keep = self._regex.search(method) is not None
+            if len(self._cache) < 4096:  # method paths come from clients: bound the cache
+                self._cache[method] = keep
+        return keep
+
+    def describe(self) -> str:
+        if self.pattern is None:
+            return "all methods except " + ", ".join(sorted(HIGH_VOLUME_METHODS))
+        return f"methods matching {self.pattern!r}"
+
+
+class Recorder:
+    """HookChain observer that writes finished calls to a rotating cri-trace file."""
+
+    def __init__(
+        self,
+        path: str,
+        header: dict[str, Any],
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        keep: int = DEFAULT_KEEP,
+        methods: str | None = None,
+        max_pending: int = 10000,
+        max_pending_bytes: int = 64 * 1024 * 1024,
+    ):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, not {max_bytes}")
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, not {keep}")
+        self.path = path
+        self.header = dict(header)
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.filter = MethodFilter(methods)
+        self.max_pending_bytes = max_pending_bytes
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._seq = itertools.count(1)
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._file = None
+        self._size = 0
+        self._calls_in_file = 0
+        self._listeners: list[Callable[[TraceCall], None]] = []
+        # counters
+        self.recorded = 0
+        self.filtered = 0
+        self.dropped = 0
+        self.write_errors = 0
+        self.rotations = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> "Recorder":
+        """Open the file (rotating a previous recording away) and start the writer.
+        Raises OSError when the file cannot be created: recording was asked for."""
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            self._rotate_files()
+        self._open()
+        self._thread = threading.Thread(target=self._run, name="trace-recorder", daemon=True)
+        self._thread.start()
+        log.info("recording %s to %s (rotate at %d bytes, keep %d)",
+                 self.filter.describe(), self.path, self.max_bytes, self.keep)
+        return self
+
+    def add_listener(self, fn: Callable[[TraceCall], None]) -> None:
+        """fn(trace_call) in the writer thread after each line is written (tests, metrics)."""
+        self._listeners.append(fn)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every call queued so far is written. False on timeout."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._thread = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.dropped:
+            log.warning("recorder: %d calls were dropped (writer behind)", self.dropped)
+
+    # -- observer ----------------------------------------------------------------
+    def finished(self, call: Any) -> None:
+        """On the event loop: filter, number, enqueue. Never blocks."""
+        seq = next(self._seq)
+        if not self.filter(call.method):
+            self.filtered += 1
+            return
+        size = len(call.request) + sum(len(r) for r in call.responses)
+        if call.forwarded is not None:
+            size += len(call.forwarded)
+        with self._lock:
+            if self._pending_bytes + size > self.max_pending_bytes and self._pending_bytes > 0:
+                self._drop()
+                return
+            self._pending_bytes += size
+        try:
+            self._queue.put_nowait((seq, size, call))
+        except queue.Full:
+            with self._lock:
+                self._pending_bytes -= size
+            self._drop()
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 1000 == 0:
+            log.warning("recorder writer behind: %d calls dropped", self.dropped)
+
+    # -- writer thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            seq, size, call = item
+            with self._lock:
+                self._pending_bytes -= size
+            try:
+                tc = TraceCall.from_finished(call, seq)
+                self._write(tc.to_line().encode("utf-8"))
+                self.recorded += 1
+                for fn in self._listeners:
+                    fn(tc)
+            except Exception:
+                self.write_errors += 1
+                if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                    log.exception("recorder: call %d could not be written (%d errors so far)",
+                                  seq, self.write_errors)
+
+    def _header_bytes(self) -> bytes:
+        header = dict(self.header)
+        header["created"] = utc_now()
+        return (json.dumps(header, default=str) + "\n").encode("utf-8")
+
+    def _open(self) -> None:
+        f = open(self.path, "ab")
+        try:
+            data = self._header_bytes()
+            f.write(data)
+            f.flush()
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
+        self._size = len(data)
+        self._calls_in_file = 0
+
+    def _write(self, line: bytes) -> None:
+        if self._file is None:  # a previous rotation failed: try again
+            self._open()
+        if self._calls_in_file and self._size + len(line) > self.max_bytes:
+            self._file.close()
+            self._file = None
+            self._rotate_files()
+            self.rotations += 1
+            self._open()
+        self._file.write(line)
+        self._file.flush()  # one line at a time reaches the kernel: kill -9 keeps it
+        self._size += len(line)
+        self._calls_in_file += 1
+
+    def _rotate_files(self) -> None:
+        if self.keep == 0:
+            os.unlink(self.path)
+            return
+        for i in range(self.keep - 1, 0, -1):
+            older = f"{self.path}.{i}"
+            if os.path.exists(older):
+                os.replace(older, f"{self.path}.{i + 1}")
+        os.replace(self.path, f"{self.path}.1")
+
+    def rotated_files(self) -> list[str]:
+        """The files of this recording, newest first: path, path.1, ..."""
+        out = [self.path]
+        out += [f"{self.path}.{i}" for i in range(1, self.keep + 1) if os.path.exists(f"{self.path}.{i}")]
+        return out
+
+
+def read_kubelet_config_doc(path: str | None) -> dict[str, Any]:
+    """The KubeletConfiguration as read (for the trace header); {} when none or unreadable."""
+    if not path:
+        return {}
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except Exception:
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    # round-trip through JSON so the header holds only JSON types (YAML dates become text)
+    return json.loads(json.dumps(doc, default=str))
+
+
+def shim_header(
+    *,
+    version: str,
+    mem_total_bytes: int,
+    page_size: int,
+    cgroup_driver: str,
+    kubelet_config: dict[str, Any],
+    allocatable: int,
+    factor: float | None,
+    policy: str,
+    cgroup_v2: bool,
+    listen: str = "",
+    upstream: str = "",
+    methods: str = "",
+) -> dict[str, Any]:
+    """The header the shim writes: the format's node facts plus what the shim decided with,
+    so that a replay of its recording reproduces its audit records."""
+    from shim.evidence.trace import make_header
+
+    host = os.uname().nodename
+    return make_header(
+        source=f"memqos-shim {version} serve --record on {host}: {listen} -> {upstream}; recording {methods}",
+        mem_total_bytes=mem_total_bytes,
+        page_size=page_size,
+        cgroup_driver=cgroup_driver,
+        kubelet_config=kubelet_config,
+        node_extra={"cgroup_v2": cgroup_v2},
+        extra={"shim": {"version": version, "policy": policy, "allocatable": allocatable, "factor": factor,
+                        "enabled": cgroup_v2, "started": time.time()}},
+    )
