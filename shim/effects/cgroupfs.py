@@ -1,0 +1,246 @@
+"""Validated reads and writes of cgroup v2 interface files (memory.min, memory.low).
+
+Every path is relative to one cgroup root (normally /sys/fs/cgroup) and is walked one
+component at a time with ``openat(O_NOFOLLOW | O_DIRECTORY)``: a symlink anywhere below the
+root, a ``..`` or an empty component, or a path outside the allowed subtrees (the kubepods
+tree and the configured reserved cgroups) is refused with ``PathRefused`` before anything
+is opened for writing. Files are never created: a cgroup interface file that does not exist
+means the cgroup does not exist.
+
+``write()`` reads the file first and writes only when the value differs; each write is
+appended to ``writes`` (in order, what tests assert) and handed to ``emit`` as an audit
+record ``{"event": "cgroup-write", "path", "file", "old", "new", "why", ...}``.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import re
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+MANAGED_FILES = ("memory.min", "memory.low")
+# A cgroup directory name: what kubelet, systemd and runtimes produce (no '/', no NUL).
+_COMPONENT = re.compile(r"^[A-Za-z0-9_.:@+-]{1,255}$")
+_MAX_DEPTH = 32
+
+
+class PathRefused(ValueError):
+    """A cgroup path that must not be written: outside the allowed tree, a symlink, ``..``."""
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write the effects layer made (or would make, in dry-run)."""
+
+    seq: int
+    path: str  # relative to the cgroup root, e.g. "kubepods/burstable"
+    file: str  # memory.min | memory.low
+    old: str  # what the file held, as read (stripped), e.g. "0" or "max"
+    new: str
+    why: str
+    level: int = 0  # 0 node (kubepods, reserved), 1 QoS class, 2 pod
+    drift: bool = False
+    time: float = field(default_factory=time.time)
+
+
+def split_path(rel: str) -> list[str]:
+    """Components of a relative cgroup path; refuses '..', '.', odd characters and depth."""
+    if not isinstance(rel, str) or "\x00" in rel:
+        raise PathRefused(f"not a path: {rel!r}")
+    parts = [p for p in rel.split("/") if p != ""]
+    if len(parts) > _MAX_DEPTH:
+        raise PathRefused(f"path too deep: {rel[:200]!r}")
+    for p in parts:
+        if p in (".", "..") or not _COMPONENT.match(p):
+            raise PathRefused(f"refused path component {p[:80]!r} in {rel[:200]!r}")
+    return parts
+
+
+def parse_value(text: str | None) -> int | None:
+    """'123' -> 123, 'max' -> None (unbounded); anything else raises ValueError."""
+    if text is None:
+        raise ValueError("no value")
+    t = text.strip()
+    if t == "max":
+        return None
+    if not t.isascii() or not t.isdigit():
+        raise ValueError(f"not a cgroup memory value: {t[:40]!r}")
+    return int(t)
+
+
+class CgroupFS:
+    """Reads and writes memory.min / memory.low below ``root``, inside ``allowed`` subtrees."""
+
+    def __init__(
+        self,
+        root: str,
+        allowed: Iterable[str] = (),
+        *,
+        emit: Callable[[dict], None] | None = None,
+        dry_run: bool = False,
+        keep: int = 10000,
+    ):
+        self.root = root
+        self.dry_run = dry_run
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._seq = 0
+        #: every write, in order (bounded)
+        self.writes: collections.deque[Write] = collections.deque(maxlen=keep)
+        self._allowed: list[list[str]] = []
+        self.set_allowed(allowed)
+
+    # -- configuration ---------------------------------------------------------
+    def set_allowed(self, allowed: Iterable[str]) -> None:
+        roots = []
+        for a in allowed:
+            parts = split_path(a)
+            if not parts:
+                raise PathRefused("the cgroup root itself cannot be an allowed subtree")
+            roots.append(parts)
+        self._allowed = roots
+
+    @property
+    def allowed(self) -> list[str]:
+        return ["/".join(p) for p in self._allowed]
+
+    def check(self, rel: str) -> list[str]:
+        """Components of rel if it lies inside an allowed subtree, else PathRefused."""
+        parts = split_path(rel)
+        for a in self._allowed:
+            if parts[: len(a)] == a:
+                return parts
+        raise PathRefused(f"{rel!r} is outside the managed cgroups {self.allowed}")
+
+    def abspath(self, rel: str, file: str | None = None) -> str:
+        p = os.path.join(self.root, *split_path(rel))
+        return os.path.join(p, file) if file else p
+
+    # -- filesystem ------------------------------------------------------------
+    def _open_dir(self, parts: Sequence[str]) -> int:
+        """fd of root/parts, walking without following symlinks. FileNotFoundError if missing."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, comp in enumerate(parts):
+                try:
+                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        where = "/".join(parts[: i + 1])
+                        try:
+                            is_link = stat.S_ISLNK(os.lstat(comp, dir_fd=fd).st_mode)
+                        except OSError:
+                            is_link = False
+                        what = "a symlink" if is_link else "not a directory"
+                        raise PathRefused(f"{where!r} is {what}") from None
+                    raise
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def validate(self, rel: str) -> bool:
+        """PathRefused unless rel is inside the allowed subtrees with no symlink on the way;
+        then whether the cgroup exists."""
+        try:
+            fd = self._open_dir(self.check(rel))
+        except FileNotFoundError:
+            return False
+        os.close(fd)
+        return True
+
+    def exists(self, rel: str) -> bool:
+        try:
+            fd = self._open_dir(self.check(rel))
+        except (FileNotFoundError, PathRefused):
+            return False
+        os.close(fd)
+        return True
+
+    def _file_fd(self, dfd: int, file: str, flags: int) -> int:
+        if file not in MANAGED_FILES:
+            raise PathRefused(f"{file!r} is not a file the shim writes")
+        try:
+            fd = os.open(file, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise PathRefused(f"{file} is a symlink") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise PathRefused(f"{file} is not a regular file")
+        return fd
+
+    def read(self, rel: str, file: str) -> str | None:
+        """The file's content (stripped), or None when the cgroup or file does not exist."""
+        parts = self.check(rel)
+        try:
+            dfd = self._open_dir(parts)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fd = self._file_fd(dfd, file, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                data = os.read(fd, 64)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+        return data.decode("ascii", "replace").strip()
+
+    def write(self, rel: str, file: str, value: int, why: str, *, level: int = 0, drift: bool = False,
+              extra: dict | None = None) -> Write | None:
+        """Set rel/file to value when it holds something else. Returns the Write, or None when
+        the file already held the value. FileNotFoundError when the cgroup does not exist;
+        PathRefused for a refused path; other OSErrors from the kernel pass through."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"bad value {value!r}")
+        parts = self.check(rel)
+        new = str(value)
+        dfd = self._open_dir(parts)
+        try:
+            rfd = self._file_fd(dfd, file, os.O_RDONLY)
+            try:
+                old = os.read(rfd, 64).decode("ascii", "replace").strip()
+            finally:
+                os.close(rfd)
+            if old == new:
+                return None
+            if not self.dry_run:
+                wfd = self._file_fd(dfd, file, os.O_WRONLY | os.O_TRUNC)
+                try:
+                    os.write(wfd, (new + "\n").encode())
+                finally:
+                    os.close(wfd)
+        finally:
+            os.close(dfd)
+        with self._lock:
+            self._seq += 1
+            w = Write(self._seq, "/".join(parts), file, old, new, why, level, drift)
+            self.writes.append(w)
+        if self._emit is not None:
+            record = {
+                "event": "cgroup-write" if not self.dry_run else "cgroup-write-dry-run",
+                "path": os.path.join(self.root, *parts),
+                "file": file,
+                "old": old,
+                "new": new,
+                "why": why,
+                "level": ("node", "qos", "pod")[level] if 0 <= level <= 2 else level,
+            }
+            if drift:
+                record["drift_repaired"] = True
+            if extra:
+                record.update(extra)
+            self._emit(record)
+        return w

@@ -1,0 +1,514 @@
+"""Pod-, QoS- and node-level memory.min / memory.low, kept right by a side thread.
+
+The runtime applies the container-level ``unified`` keys; the pod, QoS-class and kubepods
+cgroups belong to the kubelet and nobody sets their protection, yet the kernel caps a
+container's protection by its ancestors'. This module writes them (reference section 2):
+
+* pod cgroup: the pod's memory request (shim.node_state.pod_request);
+* burstable QoS cgroup: the sum over Burstable pods; kubepods: Guaranteed + Burstable;
+* kube-reserved / system-reserved cgroups: the reserved memory, when the kubelet enforces them
+  and names their cgroups;
+* policy ``tiered``: Burstable pods and the burstable QoS cgroup get memory.low instead of
+  memory.min, kubepods gets memory.min = Guaranteed sum and memory.low = Guaranteed +
+  Burstable sum; policy ``none``: every managed value goes to 0 (nothing at all when the
+  kubelet's own MemoryQoS gate is on: the values are the kubelet's then).
+
+Flow: the proxy's observer (``ReconcilerObserver.finished``) only puts finished calls on a
+``queue.SimpleQueue``. The reconciler thread drains the queue, updates the NodeState, computes
+every target, and applies the differences: increases top-down (kubepods -> QoS -> pod),
+then decreases bottom-up. Every write goes through shim.effects (validated paths, written
+only when different) and is audited. At start (and when the upstream comes back) the state is
+rebuilt from the runtime before anything is written; then a resync every ``resync_interval``
+seconds re-lists the runtime and repairs drift.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from shim.decision import Policy, QoSClass
+from shim.effects import CgroupFS, CgroupLayout, PathRefused, detect_driver, parse_value
+from shim.node import KubeletFacts, is_cgroup_v2
+from shim.node_state import OBSERVED_METHODS, NodeState
+from shim.quantity import format_bytes
+from shim.transport.hooks import FinishedCall
+
+log = logging.getLogger(__name__)
+
+NODE, QOS, POD = 0, 1, 2
+MIN, LOW = "memory.min", "memory.low"
+RETRY_INTERVAL = 2.0  # while the first rebuild from the runtime has not succeeded
+
+
+@dataclass(frozen=True)
+class Target:
+    path: str
+    file: str
+    value: int
+    level: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Reserved:
+    kind: str  # kube-reserved | system-reserved
+    path: str
+    bytes: int
+
+
+def _fmt(n: int) -> str:
+    return f"{n} ({format_bytes(n)})" if n else "0"
+
+
+def compute_targets(
+    state: NodeState,
+    layout: CgroupLayout,
+    policy: Policy,
+    page_size: int,
+    reserved: list[Reserved] = (),
+    check: Callable[[str], object] | None = None,
+) -> tuple[dict[tuple[str, str], Target], list[tuple[str, str]]]:
+    """Every managed (path, file) -> Target, and the refusals ((key, reason)). Pure but for
+    ``check(path)``, which may raise PathRefused (e.g. CgroupFS.validate: symlinks)."""
+    page = max(1, page_size)
+    refusals: list[tuple[str, str]] = []
+    sums = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
+    counts = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
+    pods = []
+    for pod in sorted(state.pods.values(), key=lambda p: p.uid):
+        try:
+            qos, path = layout.pod_from_parent(pod.cgroup_parent, pod.uid)
+            if check is not None:
+                check(path)
+        except PathRefused as e:
+            refusals.append((f"pod/{pod.uid}/{pod.cgroup_parent}", f"pod {pod.label()}: {e}"))
+            continue
+        req = state.request(pod) if pod.active and qos is not QoSClass.BESTEFFORT else None
+        if req is not None:
+            sums[qos] += req.bytes
+            counts[qos] += 1
+        pods.append((pod, qos, path, req))
+
+    targets: dict[tuple[str, str], Target] = {}
+
+    def put(path: str | None, file: str, value: int, level: int, why: str) -> None:
+        if path is not None:
+            targets[(path, file)] = Target(path, file, (value // page) * page, level, why)
+
+    none, tiered = policy is Policy.NONE, policy is Policy.TIERED
+    g, b = sums[QoSClass.GUARANTEED], sums[QoSClass.BURSTABLE]
+    ng, nb = counts[QoSClass.GUARANTEED], counts[QoSClass.BURSTABLE]
+    kp = layout.kubepods
+    bq, beq = layout.qos(QoSClass.BURSTABLE), layout.qos(QoSClass.BESTEFFORT)
+    if none:
+        for path, level in ((kp, NODE), (bq, QOS), (beq, QOS)):
+            put(path, MIN, 0, level, "policy none")
+            put(path, LOW, 0, level, "policy none")
+    elif tiered:
+        put(kp, MIN, g, NODE, f"kubepods: {ng} Guaranteed pods' requests sum to {_fmt(g)} (policy tiered)")
+        put(kp, LOW, g + b, NODE, f"kubepods: {ng} Guaranteed + {nb} Burstable pods' requests sum to "
+                                  f"{_fmt(g + b)} (policy tiered)")
+        put(bq, MIN, 0, QOS, "policy tiered protects Burstable pods with memory.low")
+        put(bq, LOW, b, QOS, f"burstable: {nb} Burstable pods' requests sum to {_fmt(b)} (policy tiered)")
+    else:
+        put(kp, MIN, g + b, NODE, f"kubepods: {ng} Guaranteed + {nb} Burstable pods' requests sum to {_fmt(g + b)}")
+        put(kp, LOW, 0, NODE, "policy request protects with memory.min")
+        put(bq, MIN, b, QOS, f"burstable: {nb} Burstable pods' requests sum to {_fmt(b)}")
+        put(bq, LOW, 0, QOS, "policy request protects with memory.min")
+    if not none:
+        put(beq, MIN, 0, QOS, "BestEffort pods have no requests")
+        put(beq, LOW, 0, QOS, "BestEffort pods have no requests")
+    for pod, qos, path, req in pods:
+        who = f"pod {pod.label()} ({qos.value})"
+        if none:
+            put(path, MIN, 0, POD, f"{who}: policy none")
+            put(path, LOW, 0, POD, f"{who}: policy none")
+            continue
+        if not pod.active:
+            put(path, MIN, 0, POD, f"{who}: sandbox stopped")
+            put(path, LOW, 0, POD, f"{who}: sandbox stopped")
+            continue
+        if req is None:
+            put(path, MIN, 0, POD, f"{who}: no requests")
+            put(path, LOW, 0, POD, f"{who}: no requests")
+            continue
+        names = {c.id: c.name for c in pod.containers.values()}
+        why = f"{who}: request {_fmt(req.bytes)} = {req.explain(names)}"
+        if tiered and qos is QoSClass.BURSTABLE:
+            put(path, MIN, 0, POD, f"{who}: policy tiered protects Burstable pods with memory.low")
+            put(path, LOW, req.bytes, POD, why + " (policy tiered)")
+        else:
+            put(path, MIN, req.bytes, POD, why)
+            put(path, LOW, 0, POD, f"{who}: protected by memory.min")
+    for r in reserved:
+        put(r.path, MIN, 0 if none else r.bytes, NODE,
+            f"{r.kind}: policy none" if none else f"{r.kind}: reserved memory {_fmt(r.bytes)}")
+    return targets, refusals
+
+
+def reserved_cgroups(kubelet: KubeletFacts, layout: CgroupLayout) -> tuple[list[Reserved], list[tuple[str, str]]]:
+    out, refusals = [], []
+    for kind, name, amount in (
+        ("kube-reserved", kubelet.kube_reserved_cgroup, kubelet.kube_reserved),
+        ("system-reserved", kubelet.system_reserved_cgroup, kubelet.system_reserved),
+    ):
+        if kind in kubelet.enforce_node_allocatable and name:
+            try:
+                out.append(Reserved(kind, layout.reserved(name), amount))
+            except PathRefused as e:
+                refusals.append((f"{kind}/{name}", f"{kind} cgroup: {e}"))
+    return out, refusals
+
+
+# -- the observer on the CRI path ------------------------------------------------------
+class _Resync:
+    def __init__(self, reason: str, fresh: bool):
+        self.reason = reason
+        self.fresh = fresh
+
+
+_STOP = object()
+_UNSET = object()
+
+
+class ReconcilerObserver:
+    """The HookChain observer: finished() only enqueues (never parses, never blocks)."""
+
+    def __init__(self, q: queue.SimpleQueue):
+        self._q = q
+        self._down = False
+
+    def finished(self, call: FinishedCall) -> None:
+        code = call.code
+        if code == "OK":
+            if self._down:
+                self._down = False
+                self._q.put(_Resync("upstream-reconnected", True))
+            if call.method in OBSERVED_METHODS:
+                self._q.put(call)
+        elif code == "UNAVAILABLE":
+            self._down = True
+
+
+# -- the reconciler --------------------------------------------------------------------
+class Reconciler:
+    def __init__(
+        self,
+        *,
+        cgroup_root: str,
+        kubelet: KubeletFacts,
+        policy: Policy,
+        capacity: int,
+        page_size: int,
+        emit: Callable[[dict], None],
+        client_factory: Callable[[], object] | None = None,
+        resync_interval: float = 30.0,
+    ):
+        self.cgroup_root = cgroup_root
+        self.kubelet = kubelet
+        self.policy = policy
+        self.page_size = page_size
+        self.capacity = capacity
+        self.resync_interval = resync_interval
+        self._emit = emit
+        self._client_factory = client_factory
+        self.client = None
+        self.state = NodeState(capacity)
+        self.fs = CgroupFS(cgroup_root, (), emit=emit)
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.observer = ReconcilerObserver(self._q)
+        self.layout: CgroupLayout | None = None
+        self.reserved: list[Reserved] = []
+        self.recovered = False
+        self.resyncs = 0  # completed resyncs (tests, metrics)
+        self.known: dict[tuple[str, str], int] = {}  # what each file held after our last look
+        self.written: dict[tuple[str, str], int] = {}  # non-zero values this process wrote -> level
+        self._idle: object = _UNSET
+        self._refused: set[str] = set()
+        self._last_error: dict[str, float] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle
+    def start(self) -> "Reconciler":
+        self._thread = threading.Thread(target=self._run, name="memqos-reconciler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+
+    def sync(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far (observed calls, resync requests) is processed."""
+        done = threading.Event()
+        self._q.put(done)
+        return done.wait(timeout)
+
+    def request_resync(self, reason: str = "requested", fresh: bool = False) -> None:
+        self._q.put(_Resync(reason, fresh))
+
+    # -- the thread
+    def _run(self) -> None:
+        if self._client_factory is not None:
+            try:
+                self.client = self._client_factory()
+            except Exception as e:
+                self._error("client", f"cannot create the runtime client: {e}")
+        if self.policy is Policy.NONE and self.kubelet.memory_qos_gate:
+            log.info("policy none and the kubelet's MemoryQoS gate is on: pod/QoS/node values are left to the kubelet")
+        self._guard(self._resync, "startup", True)
+        next_at = time.monotonic() + self._interval()
+        while True:
+            try:
+                first = self._q.get(timeout=max(0.0, next_at - time.monotonic()))
+            except queue.Empty:
+                first = None
+            items = [first] if first is not None else []
+            while True:
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            barriers, dirty, resync, stop = [], False, None, False
+            for it in items:
+                if it is _STOP:
+                    stop = True
+                elif isinstance(it, threading.Event):
+                    barriers.append(it)
+                elif isinstance(it, _Resync):
+                    if resync is None or (it.fresh and not resync.fresh):
+                        resync = it
+                elif isinstance(it, FinishedCall):
+                    dirty |= bool(self._guard(self._apply, it))
+            if stop:
+                for b in barriers:
+                    b.set()
+                return
+            if resync is not None or time.monotonic() >= next_at:
+                r = resync or _Resync("periodic", False)
+                self._guard(self._resync, r.reason, r.fresh or not self.recovered)
+                next_at = time.monotonic() + self._interval()
+            elif dirty:
+                self._guard(self._reconcile, "event", False)
+            for b in barriers:
+                b.set()
+
+    def _interval(self) -> float:
+        return self.resync_interval if self.recovered else min(self.resync_interval, RETRY_INTERVAL)
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # the thread must survive anything
+            log.exception("reconciler: %s failed", getattr(fn, "__name__", fn))
+            self._error(getattr(fn, "__name__", "reconciler"), f"{e.__class__.__name__}: {e}")
+            return None
+
+    def _error(self, key: str, message: str, every: float = 60.0) -> None:
+        now = time.monotonic()
+        if now - self._last_error.get(key, -1e9) < every:
+            return
+        self._last_error[key] = now
+        log.warning("reconciler: %s", message)
+        self._emit({"event": "reconciler-error", "what": key, "error": message[:500]})
+
+    # -- state
+    def _apply(self, call: FinishedCall) -> bool:
+        changed, refresh = self.state.apply_call(call)
+        if refresh is not None and self.client is not None:
+            changed |= self._refresh_pod(refresh)
+        return changed
+
+    def _refresh_pod(self, uid: str) -> bool:
+        """Ask the runtime for the state of the pod's containers that had not finished when
+        last seen (for the init-container rule: created_at / finished_at)."""
+        from shim.runtime_client import RuntimeUnavailable
+
+        pod = self.state.pods.get(uid)
+        if pod is None:
+            return False
+        changed = False
+        for c in list(pod.containers.values()):
+            if c.finished_at:
+                continue
+            t = time.time_ns()
+            try:
+                st = self.client.container_status(c.id)
+            except RuntimeUnavailable as e:
+                self._error("refresh", f"ContainerStatus {c.id[:12]}: {e}")
+                return changed
+            if st is not None:
+                changed |= self.state.observe_status(st, t, time.time_ns())
+        return changed
+
+    def _resync(self, reason: str, fresh: bool) -> None:
+        from shim.runtime_client import RuntimeUnavailable, take_snapshot
+
+        if self.client is not None:
+            try:
+                snap = take_snapshot(self.client, None if fresh else self.state, self.capacity,
+                                     self.state.snap_gen + 1)
+            except RuntimeUnavailable as e:
+                self._error("resync", f"resync ({reason}) failed, state kept: {e}", every=30.0)
+                return
+            self.state.rebuild(snap)
+        first = not self.recovered
+        self.recovered = True
+        self.resyncs += 1
+        writes = self._reconcile(reason, True)
+        if first or writes or reason != "periodic":
+            self._emit({"event": "resync", "reason": reason, "pods": len(self.state.pods),
+                        "containers": len(self.state.container_pod), "writes": writes,
+                        "source": "runtime" if self.client is not None else "observed calls"})
+
+    # -- cgroups
+    def _say_idle(self, reason: str | None) -> None:
+        """Say once (log and audit) that the reconciler is idle and why, or active again."""
+        if reason == self._idle:
+            return
+        self._idle = reason
+        if reason is not None:
+            log.warning("pod/QoS/node memory protection is idle: %s", reason)
+            self._emit({"event": "reconciler-idle", "reason": reason})
+        else:
+            log.info("pod/QoS/node memory protection is active (%s driver)", self.layout.driver)
+            self._emit({"event": "reconciler-active", "driver": self.layout.driver,
+                        "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value})
+
+    def _check_tree(self) -> bool:
+        k = self.kubelet
+        if not is_cgroup_v2(self.cgroup_root):
+            self._say_idle(f"{self.cgroup_root} is not a cgroup v2 hierarchy (no cgroup.controllers): "
+                           "nothing is written on cgroup v1")
+            return False
+        if not k.cgroups_per_qos:
+            self._say_idle("the kubelet runs with cgroupsPerQOS=false: there are no QoS cgroups to protect")
+            return False
+        driver = k.cgroup_driver if k.source else detect_driver(self.cgroup_root, k.cgroup_root)
+        if driver is None:
+            self._say_idle(f"no kubepods cgroup under {self.cgroup_root} (kubelet not started yet?)")
+            return False
+        if self.layout is None or self.layout.driver != driver:
+            try:
+                self.layout = CgroupLayout(driver, k.cgroup_root)
+            except (ValueError, PathRefused) as e:
+                self._say_idle(str(e))
+                return False
+            self.reserved, refusals = reserved_cgroups(k, self.layout)
+            for key, why in refusals:
+                self._refuse(key, why)
+            self.fs.set_allowed([self.layout.kubepods] + [r.path for r in self.reserved])
+        if not self.fs.exists(self.layout.kubepods):
+            self._say_idle(f"the kubepods cgroup {self.fs.abspath(self.layout.kubepods)} does not exist "
+                           "(or is not a directory)")
+            return False
+        self._say_idle(None)
+        return True
+
+    def _refuse(self, key: str, reason: str) -> None:
+        if key in self._refused:
+            return
+        self._refused.add(key)
+        log.warning("refused: %s", reason)
+        self._emit({"event": "cgroup-refused", "reason": reason})
+
+    def targets(self) -> dict[tuple[str, str], Target]:
+        if self.policy is Policy.NONE and self.kubelet.memory_qos_gate:
+            return {}
+        targets, refusals = compute_targets(self.state, self.layout, self.policy, self.page_size, self.reserved,
+                                            self.fs.validate)
+        for key, why in refusals:
+            self._refuse(key, why)
+        return targets
+
+    def _reconcile(self, reason: str, full: bool) -> int:
+        """Bring every managed file to its target. Returns the number of writes."""
+        if not self.recovered or not self._check_tree():
+            return 0
+        targets = self.targets()
+        if not (self.policy is Policy.NONE and self.kubelet.memory_qos_gate):
+            for key, level in self.written.items():
+                if key not in targets:
+                    targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
+        plan = []
+        for key, t in targets.items():
+            if not full and self.known.get(key) == t.value:
+                continue
+            try:
+                text = self.fs.read(t.path, t.file)
+            except PathRefused as e:
+                self._refuse(f"path/{t.path}", f"{t.why}: {e}")
+                continue
+            if text is None:  # the cgroup does not exist (yet, or any more)
+                self.known.pop(key, None)
+                if t.level == POD and t.value == 0:
+                    self.written.pop(key, None)
+                continue
+            try:
+                current = parse_value(text)
+            except ValueError:
+                current = -1
+            if current == t.value:
+                self.known[key] = t.value
+                continue
+            up = current is not None and t.value > current
+            drift = key in self.known and self.known[key] == t.value
+            plan.append((t, up, drift))
+        ups = sorted((p for p in plan if p[1]), key=lambda p: (p[0].level, p[0].path, p[0].file))
+        downs = sorted((p for p in plan if not p[1]), key=lambda p: (-p[0].level, p[0].path, p[0].file))
+        writes = 0
+        for t, up, drift in ups + downs:
+            key = (t.path, t.file)
+            why = t.why
+            if drift:
+                why += f"; drift repaired: someone changed it after the shim set {t.value}"
+            try:
+                w = self.fs.write(t.path, t.file, t.value, why, level=t.level, drift=drift,
+                                  extra={"trigger": reason})
+            except PathRefused as e:
+                self._refuse(f"path/{t.path}", f"{t.why}: {e}")
+                continue
+            except FileNotFoundError:
+                self.known.pop(key, None)
+                continue
+            except OSError as e:
+                self._error(f"write/{t.path}/{t.file}", f"writing {t.value} to {t.path}/{t.file}: {e}")
+                continue
+            writes += w is not None
+            self.known[key] = t.value
+            if t.value:
+                self.written[key] = t.level
+            else:
+                self.written.pop(key, None)
+        return writes
+
+
+def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], None]) -> Reconciler | None:
+    """The reconciler `serve` runs (None with --reconcile false). Its runtime client talks to
+    the upstream directly, not through the proxy."""
+    if not getattr(cfg, "reconcile", True):
+        return None
+    from shim.runtime_client import RuntimeClient
+
+    return Reconciler(
+        cgroup_root=cfg.cgroup_root,
+        kubelet=kubelet,
+        policy=cfg.policy,
+        capacity=node.capacity,
+        page_size=node.page_size,
+        emit=emit,
+        client_factory=lambda: RuntimeClient(cfg.upstream),
+        resync_interval=getattr(cfg, "resync_interval", 30.0),
+    )
