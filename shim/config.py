@@ -86,6 +86,17 @@ def _regex(v: Any) -> str | None:
     return text
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("true", "yes", "on", "1"):
+        return True
+    if t in ("false", "no", "off", "0"):
+        return False
+    raise ConfigError(f"expected true or false, not {v!r}")
+
+
 def _policy(v: Any) -> Policy:
     try:
         return Policy(str(v))
@@ -150,6 +161,11 @@ OPTIONS: tuple[Option, ...] = (
            "the high-volume polling calls (ListContainerStats, ListPodSandboxStats, ContainerStats, "
            "PodSandboxStats, ListContainers, ListPodSandbox, ContainerStatus, PodSandboxStatus, ImageFsInfo, "
            "Status, Version, ListImages, ImageStatus); 'all' or '.' records every call", "REGEX"),
+    Option("reconcile", True, _bool,
+           "write pod, QoS-class and node (kubepods, reserved) memory.min/memory.low from a side thread; "
+           "false leaves those cgroups alone"),
+    Option("resync-interval", 30.0, _positive_float,
+           "seconds between resyncs with the runtime that recompute pod/QoS/node values and repair drift", "S"),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
 

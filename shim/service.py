@@ -53,7 +53,7 @@ def protobuf_backend() -> str:
 
 class Service:
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
-                 recorder=None):
+                 recorder=None, reconciler=None):
         self.cfg = cfg
         self.node = node
         self.kubelet = kubelet
@@ -62,6 +62,10 @@ class Service:
         self.recorder = recorder  # shim.evidence.recorder.Recorder with --record
         self.hooks = build_request_hooks(container_qos, [recorder] if recorder is not None else [])
         self.proxy = None
+        # shim.reconciler.Reconciler: pod/QoS/node memory.min, fed by an observer
+        self.reconciler = reconciler
+        if reconciler is not None:
+            self.hooks.observers.append(reconciler.observer)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":
@@ -97,7 +101,10 @@ class Service:
         if kubelet.memory_qos_gate:
             log.warning("the kubelet's MemoryQoS feature gate is on: the shim overrides its memory.* keys")
         recorder = start_recorder(cfg, node, kubelet, capacity, v2) if getattr(cfg, "record", None) else None
-        return cls(cfg, node, kubelet, audit, qos, recorder=recorder)
+        from shim.reconciler import build_reconciler
+
+        reconciler = build_reconciler(cfg, kubelet, node, audit.emit)
+        return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler)
 
     async def start(self) -> None:
         from shim.transport.proxy import CriProxy
@@ -107,10 +114,14 @@ class Service:
                               socket_mode=mode, socket_group=self.cfg.socket_group)
         await self.proxy.start()
         log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
+        if self.reconciler is not None:
+            self.reconciler.start()  # rebuilds the node state from the runtime first
 
     async def stop(self) -> None:
         if self.proxy is not None:
             await self.proxy.stop(grace=5)
+        if self.reconciler is not None:
+            self.reconciler.stop()
         if self.recorder is not None:
             self.recorder.close()
         self.audit.close()
