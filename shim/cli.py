@@ -187,7 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_EXTRA_COMMANDS: list = []
+def _register_trace_commands(sub) -> None:
+    from shim.replay import register as register_replay
+    from shim.trace_view import register as register_trace
+
+    register_replay(sub)
+    register_trace(sub)
+
+
+_EXTRA_COMMANDS: list = [_register_trace_commands]
 
 
 def main(argv: list[str] | None = None) -> int:

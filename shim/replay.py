@@ -1,0 +1,491 @@
+"""`memqos-shim replay`: run a recorded trace through the shim's real request path.
+
+The request path is the one `serve` runs: a real ``CriProxy`` on a real unix socket with the
+hooks built by ``shim.service.build_container_qos`` / ``build_request_hooks``. Upstream is a
+``TraceRuntime`` answering every call with the recorded answer (so container ids and sandbox
+facts are the recorded ones). A grpc client sends every recorded request, one at a time, in
+recorded start order, with the call's seq as ``memqos-replay-seq`` metadata (see
+shim.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
+CreateContainer / UpdateContainerResources -- are the result, each tagged with the seq of
+the call that produced it.
+
+Node facts come from the trace header (mem_total_bytes, page_size, cgroup_driver,
+kubelet_config; a memqos-shim recording also stores the allocatable, factor and policy it
+decided with). Precedence: flag > ``--config`` file > trace header > built-in default.
+``--kubelet-config`` and ``--mem-total`` are flags only: they replace the header's node facts.
+
+The replay also checks the path itself: every answer the client gets must be the recorded
+one (code, details, response bytes) and every request the runtime receives must be the
+recorded one apart from the fields the shim owns. Any difference is a replay problem (exit 3).
+For a memqos-shim recording, forwarded bytes that differ from the recorded ``forwarded`` are
+reported as notes (expected when flags change the settings).
+
+Exit codes: 0 ok; 1 the records differ from ``--expect``; 2 usage, unreadable trace or
+config; 3 the replay did not reproduce the recorded traffic.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, TextIO
+
+from shim.decision import NodeFacts, Policy
+from shim.evidence.trace import Trace, TraceCall, TraceError, TraceHeader, read_trace
+from shim.node import KubeletFacts, kubelet_facts_from_dict, load_kubelet_config, node_facts
+
+CALL_TIMEOUT = 10.0
+# Audit record keys shown first, in this order; the rest follow as the hooks wrote them.
+RECORD_KEY_ORDER = (
+    "seq", "method", "event", "pod", "pod_uid", "container", "container_id", "sandbox_id",
+    "qos", "qos_source", "request", "request_source", "request_note", "limit",
+    "unified_before", "unified_after", "reasons",
+)
+VOLATILE_KEYS = frozenset({"time"})
+
+
+class ReplayError(Exception):
+    """The replay could not be set up (bad settings, missing node facts)."""
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    node: NodeFacts
+    policy: Policy
+    enabled: bool  # False when the recording shim had injection off (cgroup v1)
+    kubelet: KubeletFacts
+    origin: dict[str, str]  # setting -> where it came from
+
+    def describe(self) -> str:
+        n = self.node
+        parts = [
+            f"capacity {n.capacity} ({self.origin['capacity']})",
+            f"allocatable {n.allocatable} ({self.origin['allocatable']})",
+            f"factor {n.factor} ({self.origin['factor']})",
+            f"page {n.page_size} ({self.origin['page_size']})",
+            f"policy {self.policy.value} ({self.origin['policy']})",
+            f"cgroup driver {self.kubelet.cgroup_driver}",
+        ]
+        if not self.enabled:
+            parts.append("injection OFF as recorded")
+        return ", ".join(parts)
+
+
+_UNSET: Any = object()
+
+
+def replay_settings(
+    header: TraceHeader,
+    *,
+    mem_total: int | None = None,
+    kubelet_config: str | None = None,
+    page_size: int | None = None,
+    allocatable: int | None = None,
+    factor: Any = _UNSET,  # a float, None (no memory.high) or "auto"; unset: header, else auto
+    policy: Policy | None = None,
+) -> ReplaySettings:
+    """Node facts and policy for replaying a trace: explicit arguments win over the header."""
+    origin: dict[str, str] = {}
+    shim = header.shim
+
+    if mem_total is not None:
+        capacity, origin["capacity"] = mem_total, "flag"
+    elif header.mem_total_bytes:
+        capacity, origin["capacity"] = header.mem_total_bytes, "trace header"
+    else:
+        raise ReplayError("the trace header has no node.mem_total_bytes; pass --mem-total")
+
+    if kubelet_config is not None:
+        kubelet = load_kubelet_config(kubelet_config)
+    else:
+        doc = dict(header.kubelet_config or {})
+        if "cgroupDriver" not in doc and header.cgroup_driver:
+            doc["cgroupDriver"] = header.cgroup_driver
+        kubelet = kubelet_facts_from_dict(doc, "trace header")
+    if kubelet.problems:
+        raise ReplayError("kubelet config: " + "; ".join(kubelet.problems))
+
+    if page_size is not None:
+        page, origin["page_size"] = page_size, "flag"
+    elif header.page_size:
+        page, origin["page_size"] = header.page_size, "trace header"
+    else:
+        page, origin["page_size"] = os.sysconf("SC_PAGE_SIZE"), "this system (not in the header)"
+
+    if allocatable is not None:
+        origin["allocatable"] = "flag"
+    elif isinstance(shim.get("allocatable"), int) and kubelet_config is None and mem_total is None:
+        allocatable, origin["allocatable"] = shim["allocatable"], "trace header (recording shim)"
+    else:
+        origin["allocatable"] = "capacity - kubeReserved - systemReserved"
+
+    if factor is not _UNSET:
+        origin["factor"] = "flag"
+    elif "factor" in shim:
+        factor, origin["factor"] = shim["factor"], "trace header (recording shim)"
+    else:
+        factor = "auto"
+        origin["factor"] = ("kubelet memoryThrottlingFactor" if kubelet.memory_throttling_factor is not None
+                            else "default 0.9")
+
+    if policy is not None:
+        origin["policy"] = "flag"
+    elif shim.get("policy"):
+        try:
+            policy = Policy(shim["policy"])
+        except ValueError:
+            raise ReplayError(f"the trace header names an unknown policy {shim['policy']!r}") from None
+        origin["policy"] = "trace header (recording shim)"
+    else:
+        policy, origin["policy"] = Policy.REQUEST, "default"
+
+    node = node_facts(capacity, kubelet, page_size=page, allocatable=allocatable, factor=factor)
+    enabled = shim.get("enabled", True) is not False
+    return ReplaySettings(node=node, policy=policy, enabled=enabled, kubelet=kubelet, origin=origin)
+
+
+@dataclass
+class CallOutcome:
+    call: TraceCall
+    code: str
+    details: str
+    responses: list[bytes]
+
+    def problem(self) -> str | None:
+        c = self.call
+        where = f"seq {c.seq} {c.method}"
+        if self.code != c.code:
+            return f"{where}: code {self.code} ({self.details!r}), recorded {c.code} ({c.details!r})"
+        if c.code != "OK":
+            if self.details != c.details:
+                return f"{where}: details {self.details!r}, recorded {c.details!r}"
+            return None
+        expected = c.responses if c.responses else [b""]
+        got = self.responses if self.responses else [b""]
+        if got != expected:
+            return f"{where}: {len(got)} response(s) differ from the {len(expected)} recorded"
+        return None
+
+
+@dataclass
+class ReplayResult:
+    trace: str
+    settings: ReplaySettings
+    calls: int = 0
+    records: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    forwarded: dict[int, bytes] = field(default_factory=dict)  # seq -> what the runtime received
+    matched_by: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        how = ", ".join(f"{k} {v}" for k, v in sorted(self.matched_by.items()))
+        return (f"replayed {self.calls} calls from {self.trace} in {self.seconds:.2f} s "
+                f"(matched by {how or 'nothing'}): {len(self.records)} audit records, "
+                f"{len(self.problems)} problems, {len(self.notes)} notes; {self.settings.describe()}")
+
+
+def _streaming(call: TraceCall) -> bool:
+    from shim.transport.methods import CRI_METHODS_BY_PATH
+
+    known = CRI_METHODS_BY_PATH.get(call.method)
+    if known is not None:
+        return known.server_streaming
+    return len(call.responses) > 1
+
+
+async def send_call(channel, call: TraceCall, *, timeout: float = CALL_TIMEOUT,
+                    metadata: tuple = ()) -> CallOutcome:
+    """Send one recorded request as raw bytes; return what came back."""
+    import grpc
+
+    try:
+        if _streaming(call):
+            stream = channel.unary_stream(call.method)(call.request, timeout=timeout, metadata=metadata)
+            responses = [m async for m in stream]
+        else:
+            responses = [await channel.unary_unary(call.method)(call.request, timeout=timeout, metadata=metadata)]
+    except grpc.aio.AioRpcError as e:
+        return CallOutcome(call, e.code().name, e.details() or "", [])
+    return CallOutcome(call, "OK", "", responses)
+
+
+async def drive(target: str, calls: Iterable[TraceCall], *,
+                before: Callable[[TraceCall], None] | None = None,
+                after: Callable[[CallOutcome], None] | None = None,
+                timeout: float = CALL_TIMEOUT, tag_seq: bool = True) -> list[CallOutcome]:
+    """Send ``calls`` (already in the wanted order) one at a time to ``target`` (unix://...)."""
+    import grpc
+
+    from shim.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
+
+    outcomes = []
+    async with grpc.aio.insecure_channel(target, options=(
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+    )) as channel:
+        for call in calls:
+            if before is not None:
+                before(call)
+            md = ((REPLAY_SEQ_KEY, str(call.seq)),) if tag_seq else ()
+            outcome = await send_call(channel, call, timeout=timeout, metadata=md)
+            if after is not None:
+                after(outcome)
+            outcomes.append(outcome)
+    return outcomes
+
+
+def ordered_record(seq: int | None, record: dict) -> dict:
+    out: dict[str, Any] = {"seq": seq}
+    for key in RECORD_KEY_ORDER[1:]:
+        if key in record:
+            out[key] = record[key]
+    for key, value in record.items():
+        if key not in out and key not in VOLATILE_KEYS:
+            out[key] = value
+    # JSON types only (tuples, mapping proxies), so a record equals its stored form
+    return json.loads(json.dumps(out, default=str))
+
+
+async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT) -> ReplayResult:
+    from shim.service import build_container_qos, build_request_hooks
+    from shim.trace_runtime import TraceRuntime
+    from shim.transport.proxy import CriProxy
+
+    result = ReplayResult(trace=trace.path, settings=settings)
+    t0 = time.perf_counter()
+    current: list[int | None] = [None]
+
+    def emit(record: dict) -> None:
+        result.records.append(ordered_record(current[0], record))
+
+    qos = build_container_qos(settings.node, settings.policy, emit, cgroup_v2=settings.enabled,
+                              cgroup_root="(the recording node)")
+    hooks = build_request_hooks(qos)
+    workdir = tempfile.mkdtemp(prefix="memqos-replay-")
+    runtime = TraceRuntime(trace.calls)
+    proxy = None
+    try:
+        await runtime.start(os.path.join(workdir, "runtime.sock"))
+        proxy = CriProxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks)
+        await proxy.start()
+
+        def before(call: TraceCall) -> None:
+            current[0] = call.seq
+
+        def after(outcome: CallOutcome) -> None:
+            result.calls += 1
+            problem = outcome.problem()
+            if problem:
+                result.problems.append(problem)
+
+        await drive("unix://" + proxy.listen_path, trace.in_start_order(), before=before, after=after,
+                    timeout=timeout)
+    finally:
+        if proxy is not None:
+            await proxy.stop(None)
+        await runtime.stop(None)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    recorded_by_shim = bool(trace.header.shim)
+    for a in runtime.answered:
+        result.matched_by[a.matched_by] += 1
+        if a.seq is None:
+            result.problems.append(f"{a.method}: the runtime had no recorded call left to answer it")
+            continue
+        call = runtime.call_for(a)
+        if call.forwarded is not None or a.request != call.request:
+            result.forwarded[a.seq] = a.request
+        if not a.request_matches:
+            result.problems.append(f"seq {a.seq} {a.method}: the runtime received a request that differs "
+                                   f"from the recorded one beyond the fields the shim owns")
+        elif recorded_by_shim and a.request != call.upstream_request:
+            result.notes.append(f"seq {a.seq} {a.method}: forwarded bytes differ from the recording's")
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT) -> ReplayResult:
+    """Synchronous wrapper (its own event loop)."""
+    return asyncio.run(replay_async(trace, settings, timeout=timeout))
+
+
+def replay_file(path: str, **overrides: Any) -> ReplayResult:
+    trace = read_trace(path)
+    return replay(trace, replay_settings(trace.header, **overrides))
+
+
+# -- output ------------------------------------------------------------------------
+def records_jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def _unified_text(unified: dict) -> str:
+    """The values as the cgroup files get them (decimal bytes)."""
+    if not unified:
+        return "{}"
+    return " ".join(f"{k}={unified[k]}" for k in sorted(unified))
+
+
+def records_table(records: list[dict]) -> str:
+    from shim.quantity import format_bytes
+
+    head = ("SEQ", "METHOD", "EVENT", "POD", "CONTAINER", "QOS", "REQUEST", "SOURCE", "LIMIT",
+            "UNIFIED BEFORE", "UNIFIED AFTER")
+    rows = [head]
+    for r in records:
+        req = r.get("request")
+        limit = r.get("limit")
+        rows.append((
+            str(r.get("seq", "")),
+            str(r.get("method", "")),
+            str(r.get("event", "")),
+            str(r.get("pod", "")) or "-",
+            str(r.get("container", "")) or "-",
+            str(r.get("qos", "-")),
+            format_bytes(req) if isinstance(req, int) and req else ("0" if req == 0 else "-"),
+            str(r.get("request_source", "-")),
+            format_bytes(limit) if isinstance(limit, int) and limit else "none",
+            _unified_text(r.get("unified_before", {})) if "unified_before" in r else "-",
+            _unified_text(r.get("unified_after", {})) if "unified_after" in r else (r.get("error") or "-"),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    lines = []
+    for row in rows:
+        cells = [row[i].ljust(widths[i]) for i in range(len(head) - 1)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def compare_records(expected: list[dict], got: list[dict]) -> list[str]:
+    """Differences between stored and produced records, one line each."""
+    out = []
+    for i in range(max(len(expected), len(got))):
+        if i >= len(got):
+            out.append(f"record {i + 1} (seq {expected[i].get('seq')}): missing, expected {json.dumps(expected[i])}")
+            continue
+        if i >= len(expected):
+            out.append(f"record {i + 1} (seq {got[i].get('seq')}): unexpected {json.dumps(got[i])}")
+            continue
+        e, g = expected[i], got[i]
+        if e == g:
+            continue
+        for key in list(e) + [k for k in g if k not in e]:
+            if e.get(key, _MISSING) != g.get(key, _MISSING):
+                ev = json.dumps(e[key]) if key in e else "(absent)"
+                gv = json.dumps(g[key]) if key in g else "(absent)"
+                out.append(f"record {i + 1} (seq {g.get('seq')}, {g.get('pod')}/{g.get('container')}): "
+                           f"{key}: expected {ev}, got {gv}")
+    return out
+
+
+_MISSING = object()
+
+
+def load_records(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# -- CLI -----------------------------------------------------------------------------
+def _replay_options():
+    from shim.config import OPTIONS
+
+    wanted = ("node-allocatable", "factor", "policy", "page-size")
+    return tuple(o for o in OPTIONS if o.name in wanted)
+
+
+def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    from shim.config import ConfigError, resolve
+    from shim.quantity import QuantityError, parse_bytes
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        cfg = resolve(args, _replay_options())
+        mem_total = parse_bytes(args.mem_total) if args.mem_total else None
+    except (ConfigError, QuantityError) as e:
+        print(f"memqos-shim replay: {e}", file=err)
+        return 2
+    given = {k for k, where in cfg.origin.items() if where != "default"}
+    try:
+        trace = read_trace(args.trace)
+        settings = replay_settings(
+            trace.header,
+            mem_total=mem_total,
+            kubelet_config=args.kubelet_config,
+            page_size=cfg.page_size if "page_size" in given else None,
+            allocatable=cfg.node_allocatable if "node_allocatable" in given else None,
+            factor=cfg.factor if "factor" in given else _UNSET,
+            policy=cfg.policy if "policy" in given else None,
+        )
+    except (TraceError, ReplayError) as e:
+        print(f"memqos-shim replay: {e}", file=err)
+        return 2
+    for attr, key in (("page_size", "page_size"), ("node_allocatable", "allocatable"),
+                      ("factor", "factor"), ("policy", "policy")):
+        if cfg.origin.get(attr) == "file":
+            settings.origin[key] = f"--config {args.config}"
+    for problem in trace.problems:
+        print(f"memqos-shim replay: note: {problem}", file=err)
+    result = replay(trace, settings)
+    if args.json:
+        out.write(records_jsonl(result.records))
+    else:
+        out.write(records_table(result.records))
+    print(result.summary(), file=err)
+    for note in result.notes[:20]:
+        print(f"  note: {note}", file=err)
+    for problem in result.problems[:50]:
+        print(f"  PROBLEM: {problem}", file=err)
+    if len(result.problems) > 50:
+        print(f"  ... {len(result.problems) - 50} more problems", file=err)
+    if args.expect:
+        try:
+            expected = load_records(args.expect)
+        except (OSError, ValueError) as e:
+            print(f"memqos-shim replay: --expect {args.expect}: {e}", file=err)
+            return 2
+        diffs = compare_records(expected, result.records)
+        if diffs:
+            print(f"DIFFERS from {args.expect}: {len(diffs)} difference(s)", file=err)
+            for d in diffs[:100]:
+                print(f"  {d}", file=err)
+            return 1
+        print(f"same as {args.expect} ({len(expected)} records)", file=err)
+    return 0 if result.ok else 3
+
+
+def register(subparsers) -> None:
+    from shim.config import add_arguments
+
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a CRI trace through the shim's request path and print its audit records",
+        description="Replay a cri-trace through a real proxy with the shim's hooks, in front of a fake "
+                    "runtime answering with the recorded responses. Node facts come from the trace "
+                    "header; flags and --config override them. Exit: 0 ok, 1 differs from --expect, "
+                    "2 usage/trace error, 3 the replay did not reproduce the recorded traffic.",
+    )
+    p.add_argument("trace", metavar="TRACE", help="cri-trace file (JSON lines)")
+    add_arguments(p, _replay_options())
+    p.add_argument("--mem-total", metavar="Q", default=None,
+                   help="node memory capacity (quantity), instead of the header's mem_total_bytes")
+    p.add_argument("--kubelet-config", metavar="FILE", default=None,
+                   help="KubeletConfiguration file to use instead of the header's kubelet_config")
+    p.add_argument("--json", action="store_true", help="one JSON object per audit record and line")
+    p.add_argument("--expect", metavar="FILE",
+                   help="compare the records with a stored --json output; exit 1 on any difference")
+    p.set_defaults(func=cmd_replay)
