@@ -205,3 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return args.func(args)
+
+
+def _register_reset(sub) -> None:
+    from shim.reset import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_reset)
