@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,7 @@ class Received:
     request: bytes
     metadata: tuple[tuple[str, Any], ...]
     time_remaining: float | None
+    deadline: float | None  # time.time() of the deadline, independent of when the handler ran
     cancelled: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -128,7 +130,9 @@ class EchoUpstream:
     # -------------------------------------------------------------- handlers
 
     def _record(self, method: str, request: bytes, context) -> Received:
-        rec = Received(method, request, tuple(context.invocation_metadata()), context.time_remaining())
+        remaining = context.time_remaining()
+        rec = Received(method, request, tuple(context.invocation_metadata()), remaining,
+                       None if remaining is None else time.time() + remaining)
         self.received.append(rec)
         return rec
 
