@@ -57,7 +57,12 @@ class FakeCgroupTree:
         return rel
 
     def get(self, rel: str, file: str = "memory.min") -> int:
-        return int((self.root / rel / file).read_text())
+        for _ in range(100):  # a plain file is empty for a moment while a writer truncates it
+            text = (self.root / rel / file).read_text()
+            if text.strip():
+                return int(text)
+            time.sleep(0.001)
+        raise AssertionError(f"{rel}/{file} stays empty")
 
     def set(self, rel: str, file: str, value: int) -> None:
         (self.root / rel / file).write_text(f"{value}\n")
