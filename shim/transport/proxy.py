@@ -43,9 +43,10 @@ STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
 # Reconnect quickly when the runtime restarts (grpc's default backoff grows to 120 s, during
 # which every call would fail UNAVAILABLE although the runtime is back). A unix socket
 # connect is cheap, so probing once a second at worst costs nothing.
+# Not grpc.min_reconnect_backoff_ms: despite its name it is the connect *timeout* (default
+# 20 s); set low, a runtime slow to send its SETTINGS frame under load is never reached.
 _CHANNEL_BACKOFF_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
