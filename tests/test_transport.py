@@ -515,6 +515,43 @@ def test_upstream_down_then_back(loop, tmp_path):
     run(loop, body(), timeout=60)
 
 
+def test_runtime_slow_to_accept_a_connection_is_waited_for(loop, tmp_path):
+    """A busy runtime may take a while to send its HTTP/2 SETTINGS: the proxy's first call
+    must wait for it, not give up on the connection (grpc.min_reconnect_backoff_ms is the
+    connect timeout)."""
+    s = Stack(tmp_path)
+    slow_front = str(tmp_path / "slow.sock")
+    s.proxy = CriProxy(s.listen_path, slow_front, s.hooks)
+    pipes = []
+
+    async def pipe(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def slow_accept(reader, writer):
+        await asyncio.sleep(0.6)  # nothing, not even SETTINGS, for 0.6 s
+        up_reader, up_writer = await asyncio.open_unix_connection(s.upstream_path)
+        pipes.append(asyncio.ensure_future(pipe(reader, up_writer)))
+        pipes.append(asyncio.ensure_future(pipe(up_reader, writer)))
+
+    async def body():
+        front = await asyncio.start_unix_server(slow_accept, slow_front)
+        await s.start()
+        try:
+            return await s.unary(VERSION)(b"", timeout=10)
+        finally:
+            await s.stop()
+            front.close()
+            for p in pipes:
+                p.cancel()
+
+    assert run(loop, body()) == response_bytes(VERSION, b"")
+
+
 # ---------------------------------------------------------------------------- concurrency
 
 
