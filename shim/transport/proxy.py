@@ -106,7 +106,7 @@ def _response_metadata(metadata: Iterable[tuple[str, Any]] | None) -> tuple:
 
 
 class _ThrottledErrorLog:
-    """log.exception at most once per interval, counting what it swallowed in between."""
+    """Log a hook failure (with its traceback) at most once per interval, counting the rest."""
 
     def __init__(self, what: str, interval: float = 10.0) -> None:
         self._what = what
