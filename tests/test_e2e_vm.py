@@ -1,0 +1,170 @@
+"""The real-kernel suite (scripts/e2e-vm) and checks of its own expectations.
+
+`pytest -m vm tests/test_e2e_vm.py` boots the VM (several minutes under TCG); the default
+addopts (-m 'not vm') leave that test out. The other tests here are quick and run with the
+main suite: they check e2e/expect.py, the independent arithmetic the VM suite compares the
+kernel's values with, against the reference's worked examples and against what the real
+kubelet (MemoryQoS on) wrote in the recorded traces.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.environ.get("E2E_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
+TRACES = os.path.join(SHARED, "traces")
+sys.path.insert(0, os.path.join(ROOT, "e2e"))
+
+import expect as X  # noqa: E402
+
+MI = 1 << 20
+needs_traces = pytest.mark.skipif(not os.path.isdir(TRACES), reason=f"no {TRACES}")
+
+
+@pytest.mark.parametrize("request_mi,factor,high_mi", [
+    (0, 0.9, 900), (100, 0.9, 910), (500, 0.9, 950), (800, 0.9, 980), (900, 0.9, 990),
+    (500, 0.6, 800), (800, 0.6, 920), (500, 0.8, 900), (850, 0.8, 970), (500, 0.4, 700),
+])
+def test_expect_matches_reference_worked_examples(request_mi, factor, high_mi):
+    node = X.Node(capacity=4000 * MI, page=MI, factor=factor)
+    if request_mi:  # the kubelet's own memory.min states the request
+        e = X.container_expectation(X.BURSTABLE, 1000 * MI, 500, {"memory.min": str(request_mi * MI)}, node)
+    else:  # oom_score_adj 999: request below capacity/500, lower bound 0
+        e = X.container_expectation(X.BURSTABLE, 1000 * MI, 999, {}, node)
+    assert e.request.bytes == request_mi * MI
+    assert e.high == high_mi * MI
+
+
+def test_expect_request_equal_limit_and_guaranteed_have_no_high():
+    node = X.Node(capacity=4000 * MI, page=4096)
+    assert X.container_expectation(X.BURSTABLE, 1000 * MI, 500, {"memory.min": str(1000 * MI)}, node).high is None
+    g = X.container_expectation(X.GUARANTEED, 64 * MI, -997, {}, node)
+    assert (g.min, g.high, g.max) == (64 * MI, None, 64 * MI)
+
+
+def test_expect_float64_page_boundary():
+    # reference: exact rational arithmetic differs from the kubelet's float64 here
+    assert 368640 * 7 // 10 == 258048 == 63 * 4096  # exact: a whole page
+    assert X.kubelet_high(0, 368640, 0.7, 4096) == 62 * 4096  # float64: 258047.99.. -> one page less
+
+
+def test_kernel_reads_whole_pages():
+    assert X.kernel_reads(32966706, 4096) == "32964608"
+    assert X.kernel_reads(None, 4096) == "max"
+    assert X.kernel_reads(0, 4096) == "0"
+
+
+def _creates(trace_name):
+    from shim.cri import api_pb2 as pb
+
+    with open(os.path.join(TRACES, trace_name)) as f:
+        lines = [json.loads(x) for x in f]
+    for c in lines[1:]:
+        if c["method"].endswith("/CreateContainer"):
+            yield lines[0], pb.CreateContainerRequest.FromString(base64.b64decode(c["request"]))
+
+
+def _manifest_requests():
+    import yaml
+
+    out = {}
+    d = os.path.join(TRACES, "manifests")
+    for fn in os.listdir(d):
+        with open(os.path.join(d, fn)) as f:
+            doc = yaml.safe_load(f)
+        for c in (doc["spec"].get("initContainers") or []) + doc["spec"]["containers"]:
+            r = c.get("resources") or {}
+            req = (r.get("requests") or {}).get("memory") or (r.get("limits") or {}).get("memory")
+            out[(doc["metadata"]["name"], c["name"])] = X.quantity(req)
+    return out
+
+
+@needs_traces
+@pytest.mark.parametrize("trace", ["kubelet-1.23-cgroupfs-memqos-off.jsonl", "kubelet-1.23-cgroupfs-memqos-on.jsonl"])
+def test_expected_requests_never_exceed_the_manifests(trace):
+    truth = _manifest_requests()
+    seen = 0
+    for header, req in _creates(trace):
+        node = X.Node.from_trace_header(header)
+        r = req.config.linux.resources
+        qos = X.qos_from_cgroup_parent(req.sandbox_config.linux.cgroup_parent)
+        e = X.container_expectation(qos, r.memory_limit_in_bytes, r.oom_score_adj, dict(r.unified), node)
+        case = req.sandbox_config.labels["case"]
+        true = truth[(case, req.config.metadata.name)]
+        assert e.request.bytes <= true
+        assert true - e.request.bytes < node.capacity // 1000 + 1  # oom_score_adj resolution
+        if "memory.min" in r.unified:  # MemoryQoS on: the kubelet's own value is exact
+            assert e.request.bytes == true
+        seen += 1
+    assert seen == 8
+
+
+@needs_traces
+def test_pod_sums_match_the_kubelets_own_memory_qos():
+    """With MemoryQoS on, the recorded kubelet wrote pod / burstable / kubepods memory.min
+    itself (*.cgroups.txt): the suite's pod arithmetic must give the same numbers."""
+    with open(os.path.join(TRACES, "kubelet-1.23-cgroupfs-memqos-on.cgroups.txt")) as f:
+        text = f.read()
+    steady = text.split("### after")[0]
+    kubelet = dict(re.findall(r"^(/kubepods(?:/burstable)?(?:/pod[0-9a-f]+)?) min=(\d+)", steady, re.M))
+    pods: dict[str, dict] = {}
+    inits = {("multi", "init")}
+    for header, req in _creates("kubelet-1.23-cgroupfs-memqos-on.jsonl"):
+        node = X.Node.from_trace_header(header)
+        r = req.config.linux.resources
+        parent = req.sandbox_config.linux.cgroup_parent
+        qos = X.qos_from_cgroup_parent(parent)
+        e = X.container_expectation(qos, r.memory_limit_in_bytes, r.oom_score_adj, dict(r.unified), node)
+        p = pods.setdefault(parent, {"qos": qos, "regular": [], "init": []})
+        key = (req.sandbox_config.labels["case"], req.config.metadata.name)
+        p["init" if key in inits else "regular"].append(e.request.bytes)
+    sums = {X.BURSTABLE: 0, X.GUARANTEED: 0}
+    for parent, p in pods.items():
+        want = X.pod_request(p["regular"], p["init"]) if p["qos"] != X.BESTEFFORT else 0
+        if p["qos"] != X.BESTEFFORT:
+            assert kubelet[parent] == str(want), parent
+            sums[p["qos"]] += want
+    assert kubelet["/kubepods/burstable"] == str(sums[X.BURSTABLE])
+    assert kubelet["/kubepods"] == str(sums[X.BURSTABLE] + sums[X.GUARANTEED])
+
+
+def test_guest_maps_recorded_ids_everywhere():
+    from shim.cri import api_pb2 as pb
+    import guest
+
+    req = pb.CreateContainerRequest(pod_sandbox_id="old-sb")
+    req.config.image.image = "sha256:old"
+    req.config.annotations["x"] = "old-sb"
+    req.config.mounts.add(host_path="old-sb")
+    assert guest.substitute_ids(req, {"old-sb": "new-sb", "sha256:old": "sha256:new"}) == 4
+    assert req.pod_sandbox_id == "new-sb" and req.config.image.image == "sha256:new"
+    assert req.config.annotations["x"] == "new-sb" and req.config.mounts[0].host_path == "new-sb"
+
+
+@pytest.mark.vm
+def test_real_kernel_suite(tmp_path):
+    """Boot the VM and run the whole suite; every asserted cgroup file must match."""
+    out = os.environ.get("E2E_OUT") or str(tmp_path / "e2e")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--out", out],
+                       capture_output=True, text=True, timeout=int(os.environ.get("E2E_PYTEST_TIMEOUT", "4800")))
+    print(p.stdout[-20000:])
+    print(p.stderr[-5000:], file=sys.stderr)
+    path = os.path.join(out, "report.json")
+    assert os.path.exists(path), f"scripts/e2e-vm wrote no report (exit {p.returncode})"
+    with open(path) as f:
+        report = json.load(f)
+    failed = [f"{c['file']}: expected {c['expected']}, actual {c['actual']} ({c['scenario']}/{c['step']})"
+              for c in report["checks"] if not c["pass"]]
+    assert not failed, "cgroup values differ:\n" + "\n".join(failed)
+    assert report["status"] == "pass", report.get("errors")
+    assert p.returncode == 0
+    assert report["summary"]["passed"] > 0
+    for c in report["checks"]:
+        assert {"file", "expected", "actual", "pass"} <= set(c)
