@@ -489,21 +489,22 @@ class NodeState:
         return before != (c.created_at, c.finished_at, c.exited_by, c.alive_at)
 
     def rebuild(self, snapshot: "Snapshot") -> None:
-        """Replace the state by what the runtime reported."""
-        self.pods.clear()
-        self.sandbox_pod.clear()
-        self.container_pod.clear()
+        """Replace the state by what the runtime reported (built aside, then swapped in, so a
+        reader on another thread sees the old state or the new one, never a half-built one)."""
+        new = NodeState(self.capacity)
+        new.snap_gen = max(self.snap_gen, snapshot.gen)
         for sv in snapshot.sandboxes:
-            pod = self.upsert_pod(sv.uid, sv.namespace, sv.name, sv.annotations)
-            self.add_sandbox(pod, SandboxRecord(sv.id, sv.uid, sv.ready, sv.created_at, sv.cgroup_parent, sv.overhead))
-        self._order = 0
-        self.snap_gen = max(self.snap_gen, snapshot.gen)
+            pod = new.upsert_pod(sv.uid, sv.namespace, sv.name, sv.annotations)
+            new.add_sandbox(pod, SandboxRecord(sv.id, sv.uid, sv.ready, sv.created_at, sv.cgroup_parent, sv.overhead))
         for cr in sorted(snapshot.containers, key=lambda c: (c.created_at, c.order, c.id)):
-            pod = self.pod_of_sandbox(cr.sandbox_id)
+            pod = new.pod_of_sandbox(cr.sandbox_id)
             if pod is None:
                 continue  # its sandbox is gone: the container goes with it
             cr.order = 0
-            self.add_container(pod, cr)
+            new.add_container(pod, cr)
+        self.sandbox_pod, self.container_pod, self._order = new.sandbox_pod, new.container_pod, new._order
+        self.snap_gen = new.snap_gen
+        self.pods = new.pods
 
 
 @dataclass

@@ -442,6 +442,8 @@ class Reconciler:
             for key, level in self.written.items():
                 if key not in targets:
                     targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
+        if full:  # forget cgroups no longer managed (pods long gone)
+            self.known = {k: v for k, v in self.known.items() if k in targets}
         plan = []
         for key, t in targets.items():
             if not full and self.known.get(key) == t.value:

@@ -457,3 +457,38 @@ def test_the_request_annotation_is_visible_to_recovery(make_stack):
     resp = s.kubelet.call("ContainerStatus", pb.ContainerStatusRequest(container_id=cid), pb.ContainerStatusResponse)
     note = json.loads(resp.status.annotations["memqos.io/request"])
     assert note["source"] == "oom-score-adj" and 31 * MI < note["bytes"] <= 32 * MI
+
+
+def test_upstream_reconnect_rebuilds_the_state_from_the_runtime(tmp_path):
+    """The runtime goes away and comes back with changes the shim could not see (a pod removed
+    meanwhile): the first successful call after UNAVAILABLE triggers a fresh rebuild."""
+    s = Stack(tmp_path, resync=30)  # no periodic resync during the test
+    try:
+        k, t = s.kubelet, s.tree
+        a = k.run_pod("a", B_UID, "burstable")
+        k.create(a, "main", "burstable", request=32 * MI)
+        b = k.run_pod("b", S_UID, "burstable")
+        k.create(b, "main", "burstable", request=16 * MI)
+        s.sync()
+        assert v(t, t.burstable) == 48 * MI
+        runtime = s.rt.runtime
+        s.rt.stop()
+        with pytest.raises(Exception):
+            k.call("Version", pb.VersionRequest(), pb.VersionResponse)  # UNAVAILABLE through the proxy
+        runtime.handle("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=b).SerializeToString())
+        s.rt = FakeRuntimeServer(s.rt.path, runtime).start()
+        wait_for(lambda: _version_ok(k), timeout=10)
+        s.sync()
+        wait_for(lambda: v(t, t.burstable) == 32 * MI, timeout=5)
+        assert v(t, t.pod("burstable", S_UID)) == 0  # the shim had written it: lowered again
+        assert any(r["event"] == "resync" and r["reason"] == "upstream-reconnected" for r in s.records())
+    finally:
+        s.close()
+
+
+def _version_ok(k) -> bool:
+    try:
+        k.call("Version", pb.VersionRequest(), pb.VersionResponse)
+        return True
+    except Exception:
+        return False
