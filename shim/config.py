@@ -97,6 +97,49 @@ def _bool(v: Any) -> bool:
     raise ConfigError(f"expected true or false, not {v!r}")
 
 
+def _metrics_address(v: Any) -> str | None:
+    """'HOST:PORT', '[v6]:PORT' or a bare PORT (127.0.0.1); 'none' or empty: off."""
+    if v is None or str(v).strip().lower() in ("", "none", "off"):
+        return None
+    text = str(v).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"expected HOST:PORT (e.g. 127.0.0.1:9808), a port, or 'none', not {v!r}")
+    return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
+
+
+def _non_negative_float(v: Any) -> float:
+    try:
+        n = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"not a number: {v!r}")
+    if not n >= 0:
+        raise ConfigError(f"must be 0 or more: {v!r}")
+    return n
+
+
+def _percent(v: Any) -> float:
+    text = str(v).strip().rstrip("%")
+    try:
+        n = float(text)
+    except ValueError:
+        raise ConfigError(f"not a percentage: {v!r}")
+    if not 0 < n <= 100:
+        raise ConfigError(f"must be in (0, 100]: {v!r}")
+    return n
+
+
+def _guard_action(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in ("relax", "none"):
+        raise ConfigError(f"guard action must be 'relax' or 'none', not {v!r}")
+    return t
+
+
 def _policy(v: Any) -> Policy:
     try:
         return Policy(str(v))
@@ -166,6 +209,21 @@ OPTIONS: tuple[Option, ...] = (
            "false leaves those cgroups alone"),
     Option("resync-interval", 30.0, _positive_float,
            "seconds between resyncs with the runtime that recompute pod/QoS/node values and repair drift", "S"),
+    Option("metrics-address", None, _metrics_address,
+           "serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT); default: off", "ADDR"),
+    Option("monitor-interval", 5.0, _non_negative_float,
+           "seconds between samples of every managed container's memory.* files (metrics and the memory.high "
+           "guard; read in a side thread, never on the CRI path); 0 turns sampling and the guard off", "S"),
+    Option("guard-action", "relax", _guard_action,
+           "what the memory.high guard does when a container crawls at memory.high: relax (write max to its "
+           "memory.high until it is calm again) or none (audit and count only)"),
+    Option("guard-threshold", 40.0, _percent,
+           "PSI memory.pressure 'full' avg10 (percent) at or above which a container at memory.high counts as "
+           "crawling", "PCT"),
+    Option("guard-window", 30.0, _positive_float,
+           "seconds the crawl must last before the guard acts", "S"),
+    Option("guard-cooldown", 300.0, _positive_float,
+           "seconds a relaxed container must stay calm before its computed memory.high is restored", "S"),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
 

@@ -53,7 +53,7 @@ def protobuf_backend() -> str:
 
 class Service:
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
-                 recorder=None, reconciler=None):
+                 recorder=None, reconciler=None, monitor=None, metrics=None):
         self.cfg = cfg
         self.node = node
         self.kubelet = kubelet
@@ -66,6 +66,13 @@ class Service:
         self.reconciler = reconciler
         if reconciler is not None:
             self.hooks.observers.append(reconciler.observer)
+        # shim.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
+        self.monitor = monitor
+        # shim.metrics.Metrics (--metrics-address): CRI counters from an observer, the rewrite timed
+        self.metrics = metrics
+        if metrics is not None:
+            self.hooks.observers.append(metrics.observer)
+            self.hooks.rewriter = metrics.timed(self.hooks.rewriter)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":
@@ -104,7 +111,13 @@ class Service:
         from shim.reconciler import build_reconciler
 
         reconciler = build_reconciler(cfg, kubelet, node, audit.emit)
-        return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler)
+        from shim.metrics import build_metrics
+        from shim.monitor import build_monitor
+
+        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler) if v2 else None
+        metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
+        return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
+                   monitor=monitor, metrics=metrics)
 
     async def start(self) -> None:
         from shim.transport.proxy import CriProxy
@@ -116,15 +129,40 @@ class Service:
         log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
         if self.reconciler is not None:
             self.reconciler.start()  # rebuilds the node state from the runtime first
+        if self.monitor is not None:
+            self.monitor.start()
+        if self.metrics is not None:
+            self.start_metrics_server()
 
     async def stop(self) -> None:
         if self.proxy is not None:
             await self.proxy.stop(grace=5)
         if self.reconciler is not None:
             self.reconciler.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.recorder is not None:
             self.recorder.close()
         self.audit.close()
+
+    def start_metrics_server(self) -> None:
+        """Serve /metrics. Metrics are not worth the node: a bind failure is logged and audited,
+        the shim keeps serving the kubelet."""
+        from shim.metrics import is_loopback, split_address
+
+        address = self.cfg.metrics_address
+        try:
+            host, port = self.metrics.serve(address)
+        except (OSError, ValueError) as e:
+            log.error("metrics: cannot serve on %s: %s; running without /metrics", address, e)
+            self.audit.emit({"event": "metrics-error", "address": address, "error": str(e)[:500]})
+            return
+        if not is_loopback(split_address(address)[0]):
+            log.warning("metrics on %s are reachable from the network: they name pods and containers", address)
+        log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
+        self.audit.emit({"event": "metrics", "address": f"{host}:{port}"})
 
 
 def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool):

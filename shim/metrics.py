@@ -1,0 +1,312 @@
+"""Prometheus metrics (--metrics-address HOST:PORT; off by default).
+
+Three feeds, none of which reads a file or blocks on the CRI path:
+
+* the transport: a HookChain observer whose ``finished()`` only bumps a counter and a
+  histogram, and a thin wrapper around the rewriter that times the rewrite hook;
+* the audit stream (``AuditLog.add_listener``, in the audit writer thread): rewrites by QoS
+  class and request source, fail-opens, cgroup writes and refusals, guard actions -- the
+  metrics count exactly what the audit log says;
+* the monitor's last snapshot (shim.monitor: the side thread that reads the cgroup files on an
+  interval): per-container memory.current, memory.min/low/high/max in force, memory.events
+  counters and memory.pressure; read at scrape time from memory, never from cgroupfs.
+
+Latency: ``memqos_cri_call_duration_seconds`` is the whole call as the shim sees it (request
+received -> upstream answered -> answer handed back), i.e. upstream time plus what the shim
+adds. The transport does not time the upstream call alone, so the shim's own share is
+measured where it does work: ``memqos_cri_rewrite_duration_seconds`` (parse, decide,
+serialize on CreateContainer / UpdateContainerResources). The relay itself (one more unix
+socket hop each way) is in the total only.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shim.monitor import EVENTS
+from shim.transport.hooks import FinishedCall
+from shim.transport.methods import CRI_METHODS_BY_PATH
+
+log = logging.getLogger(__name__)
+
+CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, 120.0, 300.0)
+REWRITE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                   0.025, 0.1)
+CONTAINER_LABELS = ("namespace", "pod", "container", "container_id")
+GUARD_EVENTS = ("relax", "restore", "report", "clear", "released", "error")
+
+
+def method_label(path: str) -> str:
+    """'/runtime.v1.RuntimeService/Version' -> 'Version'; anything not in the CRI table -> 'other'
+    (bounded label values whatever a client sends)."""
+    m = CRI_METHODS_BY_PATH.get(path)
+    return m.name if m is not None else "other"
+
+
+def _inf(v: int | None) -> float:
+    return math.inf if v is None else float(v)
+
+
+class CriObserver:
+    """HookChain observer: finished() is two dictionary look-ups and two increments."""
+
+    def __init__(self, metrics: "Metrics"):
+        self._calls = metrics.cri_calls
+        self._duration = metrics.cri_duration
+
+    def finished(self, call: FinishedCall) -> None:
+        m = method_label(call.method)
+        self._calls.labels(m, call.code).inc()
+        self._duration.labels(m).observe(call.duration_ms / 1000.0)
+
+
+class TimedRewriter:
+    """Wraps the rewriter (CallHooks) to time rewrite(); everything else passes through."""
+
+    def __init__(self, inner, metrics: "Metrics"):
+        self.inner = inner
+        self._hist = metrics.rewrite_duration
+
+    def rewrite(self, method: str, request: bytes) -> bytes:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.rewrite(method, request)
+        finally:
+            self._hist.labels(method_label(method)).observe(time.perf_counter() - t0)
+
+    def finished(self, call: FinishedCall) -> None:
+        self.inner.finished(call)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _LiveCollector:
+    """Families computed at scrape time from in-memory state (monitor snapshot, audit, reconciler)."""
+
+    def __init__(self, metrics: "Metrics"):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = self.m
+        audit = m.audit
+        if audit is not None:
+            dropped = CounterMetricFamily("memqos_audit_records_dropped",
+                                          "audit records dropped because the writer was behind")
+            dropped.add_metric([], float(audit.dropped))
+            yield dropped
+        rec = m.reconciler
+        if rec is not None:
+            resyncs = CounterMetricFamily("memqos_reconciler_resyncs", "completed reconciler resyncs with the runtime")
+            resyncs.add_metric([], float(getattr(rec, "resyncs", 0)))
+            yield resyncs
+        mon = m.monitor
+        if mon is None:
+            return
+        snap = mon.snapshot()
+        lag = GaugeMetricFamily(
+            "memqos_reconciler_lag_seconds",
+            "time the reconciler took to work through its queue at the last probe (while a probe is "
+            "outstanding: its age so far)")
+        if snap.reconciler_lag is not None:
+            lag.add_metric([], snap.reconciler_lag)
+        yield lag
+        g = GaugeMetricFamily("memqos_monitor_containers", "containers the monitor knows of (with or without a cgroup)")
+        g.add_metric([], float(snap.containers))
+        yield g
+        g = GaugeMetricFamily("memqos_monitor_sampled_containers", "containers whose cgroup was read in the last round")
+        g.add_metric([], float(len(snap.readings)))
+        yield g
+        g = GaugeMetricFamily("memqos_monitor_last_sample_timestamp_seconds", "when the last round ended (unix time)")
+        if snap.taken_at:
+            g.add_metric([], snap.taken_at)
+        yield g
+        g = GaugeMetricFamily("memqos_monitor_sample_duration_seconds", "how long the last round took")
+        g.add_metric([], snap.duration)
+        yield g
+        c = CounterMetricFamily("memqos_monitor_read_errors", "cgroup reads that failed (other than a vanished cgroup)")
+        c.add_metric([], float(snap.read_errors))
+        yield c
+
+        def gauge(name, doc):
+            return GaugeMetricFamily(name, doc, labels=CONTAINER_LABELS)
+
+        current = gauge("memqos_container_memory_current_bytes", "memory.current")
+        mn = gauge("memqos_container_memory_min_bytes", "memory.min in force")
+        low = gauge("memqos_container_memory_low_bytes", "memory.low in force")
+        high = gauge("memqos_container_memory_high_bytes", "memory.high in force (+Inf: max)")
+        mx = gauge("memqos_container_memory_max_bytes", "memory.max in force (+Inf: max)")
+        events = CounterMetricFamily("memqos_container_memory_events", "memory.events counters (the kernel's)",
+                                     labels=CONTAINER_LABELS + ("event",))
+        avg10 = GaugeMetricFamily("memqos_container_memory_pressure_avg10_ratio",
+                                  "memory.pressure avg10 (some / full) as a ratio 0..1",
+                                  labels=CONTAINER_LABELS + ("kind",))
+        stalled = CounterMetricFamily("memqos_container_memory_pressure_stalled_seconds",
+                                      "memory.pressure total (some / full) in seconds",
+                                      labels=CONTAINER_LABELS + ("kind",))
+        relaxed = gauge("memqos_container_guard_relaxed",
+                        "1 while the guard has memory.high raised to max for this container")
+        n_relaxed = 0
+        for r in snap.readings:
+            ref = r.ref
+            lv = [ref.namespace, ref.pod, ref.container, ref.id]
+            if r.current is not None:
+                current.add_metric(lv, float(r.current))
+            if r.min is not None:
+                mn.add_metric(lv, float(r.min))
+            if r.low is not None:
+                low.add_metric(lv, float(r.low))
+            high.add_metric(lv, _inf(r.high))
+            mx.add_metric(lv, _inf(r.max))
+            for e in EVENTS:
+                if e in r.events:
+                    events.add_metric(lv + [e], float(r.events[e]))
+            for kind in ("some", "full"):
+                p = r.pressure.get(kind)
+                if not p:
+                    continue
+                if "avg10" in p:
+                    avg10.add_metric(lv + [kind], p["avg10"] / 100.0)
+                if "total" in p:
+                    stalled.add_metric(lv + [kind], p["total"] / 1e6)
+            relaxed.add_metric(lv, 1.0 if r.relaxed else 0.0)
+            n_relaxed += r.relaxed
+        yield from (current, mn, low, high, mx, events, avg10, stalled, relaxed)
+        g = GaugeMetricFamily("memqos_guard_relaxed_containers", "containers whose memory.high the guard holds at max")
+        g.add_metric([], float(n_relaxed))
+        yield g
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.cri_calls = Counter("memqos_cri_calls", "CRI calls by method and gRPC status code",
+                                 ("method", "code"), registry=r)
+        self.cri_duration = Histogram(
+            "memqos_cri_call_duration_seconds",
+            "whole CRI call as the shim sees it (upstream time plus what the shim adds)",
+            ("method",), buckets=CALL_BUCKETS, registry=r)
+        self.rewrite_duration = Histogram(
+            "memqos_cri_rewrite_duration_seconds",
+            "time the shim itself spent rewriting the request (CreateContainer, UpdateContainerResources)",
+            ("method",), buckets=REWRITE_BUCKETS, registry=r)
+        self.rewrites = Counter("memqos_rewrites", "requests whose unified map the shim changed",
+                                ("method", "qos", "request_source"), registry=r)
+        self.unchanged = Counter("memqos_unchanged", "decided requests the shim left as they were",
+                                 ("method",), registry=r)
+        self.fail_opens = Counter("memqos_fail_open", "requests forwarded unchanged because of an error",
+                                  ("method",), registry=r)
+        self.cgroup_writes = Counter("memqos_cgroup_writes", "cgroup files written (audited writes)",
+                                     ("level", "file"), registry=r)
+        self.cgroup_refusals = Counter("memqos_cgroup_refusals", "cgroup paths refused (outside the tree, symlink, ...)",
+                                       ("by",), registry=r)
+        self.reconciler_errors = Counter("memqos_reconciler_errors", "reconciler errors (audited)", registry=r)
+        self.guard_actions = Counter("memqos_guard_actions", "memory.high guard actions",
+                                     ("action",), registry=r)
+        for a in GUARD_EVENTS:
+            self.guard_actions.labels(a)
+        self.info = Gauge("memqos_guard_config", "the guard's settings (value 1)",
+                          ("action", "threshold_percent", "window_seconds", "cooldown_seconds"), registry=r)
+        self.audit = None
+        self.monitor = None
+        self.reconciler = None
+        r.register(_LiveCollector(self))
+        self.observer = CriObserver(self)
+        self._server = None
+        self._thread = None
+        self.address: tuple[str, int] | None = None
+
+    # -- wiring
+    def attach(self, *, audit=None, monitor=None, reconciler=None) -> "Metrics":
+        if audit is not None:
+            self.audit = audit
+            audit.add_listener(self.on_audit)
+        if monitor is not None:
+            self.monitor = monitor
+            g = monitor.guard
+            self.info.labels(g.action.value, f"{g.threshold:g}", f"{g.window:g}", f"{g.cooldown:g}").set(1)
+        if reconciler is not None:
+            self.reconciler = reconciler
+        return self
+
+    def timed(self, rewriter) -> TimedRewriter:
+        return TimedRewriter(rewriter, self)
+
+    # -- the audit stream
+    def on_audit(self, record: dict) -> None:
+        event = record.get("event")
+        if event == "rewrite":
+            self.rewrites.labels(str(record.get("method", "")), str(record.get("qos", "")),
+                                 str(record.get("request_source", ""))).inc()
+        elif event == "unchanged":
+            self.unchanged.labels(str(record.get("method", ""))).inc()
+        elif event == "fail-open":
+            self.fail_opens.labels(str(record.get("method", ""))).inc()
+        elif event == "cgroup-write":
+            self.cgroup_writes.labels(str(record.get("level", "")), str(record.get("file", ""))).inc()
+        elif event == "cgroup-refused":
+            self.cgroup_refusals.labels(str(record.get("by", "reconciler"))).inc()
+        elif event == "reconciler-error":
+            self.reconciler_errors.inc()
+        elif isinstance(event, str) and event.startswith("guard-"):
+            action = event[len("guard-"):]
+            if action in GUARD_EVENTS:
+                self.guard_actions.labels(action).inc()
+                if "new" in record and action in ("relax", "restore"):
+                    self.cgroup_writes.labels("container", "memory.high").inc()
+
+    # -- exposition
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, address: str) -> tuple[str, int]:
+        """Start the HTTP server on 'HOST:PORT' (port 0: any free port). Returns the bound address."""
+        from prometheus_client import start_http_server
+
+        host, port = split_address(address)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_address
+        self.address = (host, int(bound[1]))
+        return self.address
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'127.0.0.1:9808' -> ('127.0.0.1', 9808); '[::1]:9808' -> ('::1', 9808)."""
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None) -> Metrics | None:
+    """The metrics `serve` runs (None without --metrics-address)."""
+    if not getattr(cfg, "metrics_address", None):
+        return None
+    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler)
