@@ -77,6 +77,8 @@ def _explain_factor(v: str) -> float | None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    if getattr(args, "plot", None):
+        return _explain_plot(args)
     if args.table:
         print(kep_tables())
         return 0
@@ -132,6 +134,34 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_plot(args: argparse.Namespace) -> int:
+    """--plot FILE.png: memory.high against request for the KEP's factors (and --factor), limit
+    --limit (default 1000Mi), the v1.22 formula for contrast."""
+    from shim.plot import KEP_FACTORS, KEP_LIMIT, PlotUnavailable, write_plot
+
+    try:
+        limit = parse_bytes(args.limit) or KEP_LIMIT
+        factor = _explain_factor(args.factor)
+        page = int(args.page_size) if args.page_size else os.sysconf("SC_PAGE_SIZE")
+        if page <= 0:
+            raise ValueError("page size must be positive")
+    except (QuantityError, ValueError) as e:
+        print(f"memqos-shim explain: {e}", file=sys.stderr)
+        return 2
+    factors = KEP_FACTORS + ((factor,) if factor is not None and factor not in KEP_FACTORS else ())
+    try:
+        write_plot(args.plot, limit=limit, factors=factors, page=page)
+    except PlotUnavailable as e:
+        print(f"memqos-shim explain: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"memqos-shim explain: cannot write {args.plot}: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.plot}: memory.high against request, limit {format_bytes(limit)}, factors "
+          f"{', '.join(f'{f:g}' for f in factors)}, v1.22 formula for contrast")
+    return 0
+
+
 def kep_tables() -> str:
     """The KEP-2570 comparison (limit 1000Mi, page 1Mi) with correct arithmetic."""
     from shim.decision import memory_high
@@ -180,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--policy", default="request", choices=[p.value for p in Policy])
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
+    ex.add_argument("--plot", metavar="FILE.png",
+                    help="draw memory.high against request (KEP factors, v1.22 for contrast) to a PNG; "
+                         "needs the [plot] extra (matplotlib)")
     ex.set_defaults(func=cmd_explain)
 
     for register in _EXTRA_COMMANDS:
@@ -214,3 +247,12 @@ def _register_reset(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_reset)
+
+
+def _register_doctor(sub) -> None:
+    from shim.doctor import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_doctor)
