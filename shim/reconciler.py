@@ -281,7 +281,7 @@ class Reconciler:
                     items.append(self._q.get_nowait())
                 except queue.Empty:
                     break
-            barriers, dirty, resync, stop = [], False, None, False
+            barriers, dirty, resync, stop, refresh = [], False, None, False, []
             for it in items:
                 if it is _STOP:
                     stop = True
@@ -291,11 +291,17 @@ class Reconciler:
                     if resync is None or (it.fresh and not resync.fresh):
                         resync = it
                 elif isinstance(it, FinishedCall):
-                    dirty |= bool(self._guard(self._apply, it))
+                    changed, uid = self._guard(self._apply, it) or (False, None)
+                    dirty |= changed
+                    if uid is not None and uid not in refresh:
+                        refresh.append(uid)
             if stop:
                 for b in barriers:
                     b.set()
                 return
+            if refresh and self.client is not None:
+                for uid in refresh:  # once per pod and batch, after the batch's calls
+                    dirty |= bool(self._guard(self._refresh_pod, uid))
             if resync is not None or time.monotonic() >= next_at:
                 r = resync or _Resync("periodic", False)
                 self._guard(self._resync, r.reason, r.fresh or not self.recovered)
@@ -312,7 +318,7 @@ class Reconciler:
         try:
             return fn(*args)
         except Exception as e:  # the thread must survive anything
-            log.exception("reconciler: %s failed", getattr(fn, "__name__", fn))
+            log.debug("reconciler: %s failed", getattr(fn, "__name__", fn), exc_info=True)
             self._error(getattr(fn, "__name__", "reconciler"), f"{e.__class__.__name__}: {e}")
             return None
 
@@ -325,11 +331,9 @@ class Reconciler:
         self._emit({"event": "reconciler-error", "what": key, "error": message[:500]})
 
     # -- state
-    def _apply(self, call: FinishedCall) -> bool:
-        changed, refresh = self.state.apply_call(call)
-        if refresh is not None and self.client is not None:
-            changed |= self._refresh_pod(refresh)
-        return changed
+    def _apply(self, call: FinishedCall) -> tuple[bool, str | None]:
+        """(state changed, uid of a pod whose containers' states should be asked for)."""
+        return self.state.apply_call(call)
 
     def _refresh_pod(self, uid: str) -> bool:
         """Ask the runtime for the state of the pod's containers that had not finished when
@@ -362,6 +366,8 @@ class Reconciler:
                                      self.state.snap_gen + 1)
             except RuntimeUnavailable as e:
                 self._error("resync", f"resync ({reason}) failed, state kept: {e}", every=30.0)
+                if self.recovered:  # still apply what the observed calls changed, repair drift
+                    self._reconcile(reason, True)
                 return
             self.state.rebuild(snap)
         first = not self.recovered
@@ -420,6 +426,8 @@ class Reconciler:
     def _refuse(self, key: str, reason: str) -> None:
         if key in self._refused:
             return
+        if len(self._refused) > 10000:
+            self._refused.clear()
         self._refused.add(key)
         log.warning("refused: %s", reason)
         self._emit({"event": "cgroup-refused", "reason": reason})
