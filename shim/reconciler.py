@@ -360,6 +360,10 @@ class Reconciler:
     def _resync(self, reason: str, fresh: bool) -> None:
         from shim.runtime_client import RuntimeUnavailable, take_snapshot
 
+        if not is_cgroup_v2(self.cgroup_root):  # cgroup v1: nothing will ever be written here
+            self._check_tree()
+            self.resyncs += 1
+            return
         if self.client is not None:
             try:
                 snap = take_snapshot(self.client, None if fresh else self.state, self.capacity,
