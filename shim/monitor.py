@@ -37,6 +37,7 @@ from typing import Callable, Iterable
 
 from shim.decision.guard import (
     RELAXED,
+    WATCH,
     GuardAction,
     GuardConfig,
     GuardState,
@@ -319,6 +320,7 @@ class Monitor:
         self._paths: dict[str, str] = {}  # container id -> relative cgroup dir
         self._history: dict[str, collections.deque[Sample]] = {}
         self._states: dict[str, GuardState] = {}
+        self._last_ref: dict[str, ContainerRef] = {}  # containers with a guard episode open
         self._refused: set[str] = set()
         self._errors_at: dict[str, float] = {}
         self._read_errors = 0
@@ -424,6 +426,11 @@ class Monitor:
         idle = self._layout()
         self._say_idle(idle)
         refs = self.refs() if idle is None else []
+        if idle is None:
+            # a container the guard relaxed stays watched while its cgroup exists, even if a
+            # source forgets it for a while: its episode must end with a restore, not be dropped
+            listed = {r.id for r in refs}
+            refs += [r for cid, r in self._last_ref.items() if cid not in listed]
         readings: list[Reading] = []
         acted = []
         alive: set[str] = set()
@@ -454,6 +461,8 @@ class Monitor:
         for cid in [c for c in self._history if c not in alive]:
             self._history.pop(cid, None)
             self._states.pop(cid, None)
+        self._last_ref = {r.id: r for r in refs
+                          if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
         for cid in [c for c in self._paths if c not in alive]:
             self._paths.pop(cid, None)
         self._snapshot = MonitorSnapshot(

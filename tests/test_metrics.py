@@ -423,3 +423,26 @@ def test_serve_metrics_endpoint_end_to_end(tmp_path):
             shim.rt.RemoveContainer(pb.RemoveContainerRequest(container_id=cid), timeout=10)
         finally:
             shim.stop()
+
+
+def test_relaxed_container_stays_watched_when_a_source_forgets_it(tmp_path):
+    root = fake_root(tmp_path)
+    cdir = root / "kubepods" / "burstable" / f"pod{UID}" / CID
+    write_cgroup(cdir, current=64 * MI, high=64 * MI, pressure=pressure_text(95.0, 90.0))
+    listed = [ref()]
+    clock = Clock()
+    monitor = make_monitor(root, listed, clock=clock, guard=GuardConfig(window=10.0, cooldown=20.0))
+    monitor.tick()
+    clock.t += 10
+    assert [d.verdict.value for _, d in monitor.tick()] == ["relax"]
+    listed.clear()  # e.g. the runtime listing missed it
+    write_cgroup(cdir, current=10 * MI, high="max", pressure=pressure_text(0.0, 0.0))
+    verdicts = []
+    for _ in range(6):
+        clock.t += 5
+        verdicts += [d.verdict.value for _, d in monitor.tick()]
+    assert verdicts == ["restore"]
+    assert (cdir / "memory.high").read_text() == f"{64 * MI}\n"
+    clock.t += 5
+    monitor.tick()  # episode over and no source lists it: no longer watched
+    assert monitor.snapshot().readings == []
