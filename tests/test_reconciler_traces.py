@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import re
 from pathlib import Path
 
