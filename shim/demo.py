@@ -130,7 +130,7 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
         drive(f"unix://{shim_sock}", cgroot)
         records = _read_audit(audit, expect=sum(len(p[4]) for p in PODS) + 1)
         print_audit_table(records)
-        levels = sorted(p for p in cgroot.rglob("memory.min") if p.read_text().strip() not in ("", "0"))
+        levels = _settled_levels(cgroot)
         if levels:
             print("\npod / QoS / node cgroups with memory.min set (the fake cgroup tree):")
             for p in levels:
@@ -148,6 +148,23 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def _settled_levels(cgroot: Path, timeout: float = 5) -> list[Path]:
+    """The reconciler writes pod/QoS/node values from a side thread: wait (bounded) until
+    the tree stops changing, then list the cgroups with a non-zero memory.min."""
+    def snapshot():
+        return {p: p.read_text().strip() for p in cgroot.rglob("memory.min")}
+
+    deadline = time.monotonic() + timeout
+    last = snapshot()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = snapshot()
+        if now == last:
+            break
+        last = now
+    return sorted(p for p, v in last.items() if v not in ("", "0"))
 
 
 def _read_audit(path: Path, expect: int, timeout: float = 10) -> list[dict]:
