@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Build the two local images of the real-kernel suite, without a registry or a daemon.
+"""Build the local images of the real-kernel suite, without a registry or a daemon.
 
   localhost/busybox:latest  a rootfs with busybox-static (/bin/busybox + applet links)
   localhost/pause:e2e       a static pause binary compiled from e2e/pause.c
+  localhost/hog:e2e         a static memory grower compiled from e2e/hog.c (guard scenario)
 
 These are the image names of the recorded kubelet traffic in ../shared/traces (the kubelet
 ran with imagePullPolicy: Never and --pod-infra-container-image=localhost/pause:e2e).
@@ -134,15 +135,24 @@ def build_busybox(out: str) -> dict:
                       _config(layer, Cmd=["sh"]))
 
 
-def build_pause(out: str) -> dict:
-    binary = os.path.join(out, "pause")
-    subprocess.run(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", binary,
-                    os.path.join(HERE, "pause.c")], check=True)
+def _static(out: str, name: str) -> bytes:
+    binary = os.path.join(out, name)
+    subprocess.run(["gcc", "-static", "-Os", "-s", "-Wall", "-Wextra", "-Werror", "-o", binary,
+                    os.path.join(HERE, f"{name}.c")], check=True)
     with open(binary, "rb") as f:
-        data = f.read()
-    layer = _layer({"pause": data}, {}, ["dev", "etc", "proc", "sys"])
+        return f.read()
+
+
+def build_pause(out: str) -> dict:
+    layer = _layer({"pause": _static(out, "pause")}, {}, ["dev", "etc", "proc", "sys"])
     return _image_tar(os.path.join(out, "pause.tar"), "localhost/pause:e2e", layer,
                       _config(layer, Entrypoint=["/pause"]))
+
+
+def build_hog(out: str) -> dict:
+    layer = _layer({"hog": _static(out, "hog")}, {}, ["dev", "etc", "proc", "sys", "tmp"])
+    return _image_tar(os.path.join(out, "hog.tar"), "localhost/hog:e2e", layer,
+                      _config(layer, Entrypoint=["/hog"]))
 
 
 def main(argv: list[str]) -> int:
@@ -151,7 +161,7 @@ def main(argv: list[str]) -> int:
         return 2
     out = argv[1]
     os.makedirs(out, exist_ok=True)
-    images = [build_busybox(out), build_pause(out)]
+    images = [build_busybox(out), build_pause(out), build_hog(out)]
     with open(os.path.join(out, "images.json"), "w") as f:
         json.dump(images, f, indent=1)
     for im in images:
