@@ -11,8 +11,13 @@ Started by scripts/e2e-vm with the checkout's .venv python. It
      recorded ids mapped to the new ones, and reads back /sys/fs/cgroup after each step:
      created, updated (UpdateContainerResources), pods removed, shim killed with SIGKILL,
      shim restarted, `memqos-shim reset`;
-  3. writes OUT/report-guest.json (every asserted file with expected and actual value) and
-     the logs (containerd, shim, audit, cgroup snapshots) under OUT/logs.
+  3. with --guard, the PSI guard scenario (GuardScenario): a container running e2e/hog.c
+     crawls at memory.high; with --guard-action none it is still near memory.high after the
+     guard's window, with relax its memory.high becomes max within window + one interval and it
+     completes or is OOM-killed at memory.max;
+  4. writes OUT/report-guest.json (every asserted file with expected and actual value; the
+     guard's timings under "guard") and the logs (containerd, shim, audit, cgroup snapshots,
+     guard-timeline.jsonl) under OUT/logs.
 
 Expected values come from e2e/expect.py (own arithmetic, not the shim's). Exit code:
 0 all checks passed, 1 a check failed, 3 infrastructure error (containerd, images, shim
@@ -49,6 +54,8 @@ CREATE_PHASE = ("RunPodSandbox", "CreateContainer", "StartContainer")
 NODE_CALLS = ("Version", "Status", "ImageStatus")
 REMOVE_PHASE = ("StopContainer", "StopPodSandbox", "RemoveContainer", "RemovePodSandbox")
 CALL_TIMEOUT = 300.0
+HOG_IMAGE = "localhost/hog:e2e"
+MI = 1 << 20
 T0 = time.time()
 
 
@@ -78,8 +85,10 @@ class Report:
         self.lock = threading.Lock()
 
     def check(self, scenario: str, step: str, subject: str, file: str, expected: str, actual: str,
-              why: str = "", source: str = "cgroupfs") -> bool:
-        ok = str(expected) == str(actual)
+              why: str = "", source: str = "cgroupfs", ok: bool | None = None) -> bool:
+        """One assertion. Without ``ok`` it passes when expected and actual read the same; with
+        it (a bound such as "<= 13 s" against "11.2 s") the caller's verdict is recorded."""
+        ok = str(expected) == str(actual) if ok is None else bool(ok)
         entry = {"scenario": scenario, "step": step, "subject": subject, "file": file,
                  "expected": str(expected), "actual": str(actual), "pass": ok, "source": source}
         if why:
@@ -395,15 +404,18 @@ class Replayer:
 
 # -- the shim --------------------------------------------------------------------------------------
 class Shim:
-    def __init__(self, python: str, out_logs: str, scenario: str, kubelet_config: str, meminfo: str):
+    def __init__(self, python: str, out_logs: str, scenario: str, kubelet_config: str, meminfo: str,
+                 extra: tuple[str, ...] = ()):
         self.python = python
+        self.audit_log = os.path.join(out_logs, f"{scenario}-audit.jsonl")
         self.args = [
             "--listen", f"unix://{SHIM_SOCK}",
             "--upstream", f"unix://{CONTAINERD_SOCK}",
             "--kubelet-config", kubelet_config,
             "--cgroup-root", CGROOT,
             "--meminfo", meminfo,
-            "--audit-log", os.path.join(out_logs, f"{scenario}-audit.jsonl"),
+            "--audit-log", self.audit_log,
+            *extra,
         ]
         self.log = os.path.join(out_logs, f"{scenario}-shim.log")
         self.proc = None
@@ -836,6 +848,598 @@ class Scenario:
         self.direct.close()
 
 
+# -- the PSI guard on a real kernel ---------------------------------------------------------------
+def parse_pressure(text: str) -> dict[str, float]:
+    """memory.pressure -> {'some': avg10, 'full': avg10} (percent). Own parsing, not the shim's."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("some", "full"):
+            for kv in parts[1:]:
+                if kv.startswith("avg10="):
+                    out[parts[0]] = float(kv[len("avg10="):])
+    return out
+
+
+def parse_events(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def hog_progress(log_path: str) -> dict:
+    """The last line e2e/hog.c wrote, from the container's CRI log file
+    (`<time> stdout F hog: 45 MiB 3.214 s 1700000000.123`): MiB touched, seconds since it
+    started, wall clock; done when it reached its target."""
+    last: dict = {"mib": 0, "done": False, "lines": 0}
+    try:
+        with open(log_path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return last
+    for line in lines:
+        text = line.split(" ", 3)[-1] if line.count(" ") >= 3 else line
+        parts = text.split()
+        if len(parts) < 6 or parts[0] != "hog:":
+            continue
+        last["lines"] += 1
+        if parts[1] == "start":
+            last["started_wall"] = float(parts[-1])
+            continue
+        done = parts[1] == "done"
+        try:
+            mib = int(parts[2] if done else parts[1])
+            last.update(mib=mib, elapsed=float(parts[-3]), wall=float(parts[-1]))
+        except ValueError:
+            continue
+        if done:
+            last["done"] = True
+            last["done_wall"] = float(parts[-1])
+    return last
+
+
+def read_audit(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def scrape_metrics(address: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}; {} when /metrics does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=20) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return {"(error)": str(e)}  # type: ignore[dict-item]
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric(metrics: dict, name: str, **labels: str) -> float | None:
+    """The value of one series, matched on the given labels (others ignored)."""
+    for key, value in metrics.items():
+        if key.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    return None
+
+
+class GuardScenario:
+    """Issue F part 5: the memory.high crawl on a real kernel, without and with the PSI guard.
+
+    A Burstable container with request 16Mi and limit 96Mi on a node whose kubelet sets
+    memoryThrottlingFactor 0.25 gets memory.high = 16Mi + (96Mi - 16Mi) * 0.25 = 36Mi (computed
+    by e2e/expect.py), memory.max 96Mi. It runs e2e/hog.c, which touches 1 MiB every 50 ms;
+    there is no swap in the guest, so past memory.high the kernel can only make it sleep.
+
+    * control: shim with --guard-action none. The hog (target 160 MiB, above the limit) crawls:
+      after the guard's window it is still near memory.high, far below memory.max; memory.events
+      `high` climbs, PSI full avg10 is high, the shim audits `guard-report` and memory.high
+      stays as computed.
+    * guard: a new shim with --guard-action relax, two pods at once: the same hog (target above
+      the limit) and one with a target below the limit (80 MiB). Within window + one interval
+      (+ margin) of the crawl the shim audits `guard-relax` and memory.high reads `max`; then
+      the first is OOM-killed at memory.max (memory.events oom_kill, ContainerStatus
+      OOMKilled/137) and the second completes.
+
+    Timings (crawl detection, relaxation, hog progress, crawl rate) go to the report
+    (report["guard"]) and logs/guard-timeline.jsonl (every 0.25 s sample).
+    """
+
+    REQUEST, LIMIT, FACTOR = 16 * MI, 96 * MI, 0.25
+    # MiB, MiB, ms between MiB steps: at 50 ms the relaxed hog needs >= 3 s from memory.high to
+    # memory.max, so the guest's 0.25 s samples see memory.high `max` before the OOM kill
+    TARGET_OOM, TARGET_COMPLETE, STEP_MS = 160, 80, 50
+    POLL = 0.25  # s between the guest's own samples
+
+    def __init__(self, args, report: Report):
+        self.args = args
+        self.report = report
+        self.name = "guard"
+        self.interval = args.guard_interval
+        self.window = args.guard_window
+        self.cooldown = args.guard_cooldown
+        self.threshold = args.guard_threshold
+        self.slack = args.guard_slack
+        self.logs = os.path.join(args.out, "logs")
+        self.timeline = os.path.join(self.logs, "guard-timeline.jsonl")
+        self.work = os.path.join(RUN, "guard")
+        os.makedirs(self.work, exist_ok=True)
+        capacity = int(open("/proc/meminfo").readline().split()[1]) * 1024
+        self.node = X.Node(capacity=capacity, page=os.sysconf("SC_PAGE_SIZE"), factor=self.FACTOR)
+        self.kubelet_config = os.path.join(self.work, "kubelet-config.json")
+        with open(self.kubelet_config, "w") as f:  # JSON is YAML
+            json.dump({"kind": "KubeletConfiguration", "apiVersion": "kubelet.config.k8s.io/v1beta1",
+                       "cgroupDriver": "cgroupfs", "cgroupsPerQOS": True, "cgroupRoot": "/",
+                       "memoryThrottlingFactor": self.FACTOR}, f)
+        self.exp = X.container_expectation(X.BURSTABLE, self.LIMIT, self.oom_score_adj(),
+                                           {"memory.min": str(self.REQUEST)}, self.node)
+        self.high = int(X.kernel_reads(self.exp.high, self.node.page))
+        self.at_high = self.high - max(self.high * 2 // 100, MI)  # "at memory.high": within 2 %, >= 1 MiB
+        self.shim: Shim | None = None
+        self.cri: Cri | None = None
+        self.direct = Cri(CONTAINERD_SOCK)
+        self.summary: list[str] = []
+        self.data: dict = {
+            "settings": {"monitor_interval": self.interval, "window": self.window, "cooldown": self.cooldown,
+                         "threshold": self.threshold, "slack": self.slack, "poll": self.POLL},
+            "container": {"request": self.REQUEST, "limit": self.LIMIT, "factor": self.FACTOR,
+                          "memory.high": self.high, "why": self.exp.why, "step_ms": self.STEP_MS},
+            "phases": {},
+        }
+        report.data["guard"] = self.data
+
+    def oom_score_adj(self) -> int:
+        adj = 1000 - (1000 * self.REQUEST) // self.node.capacity  # the kubelet's Burstable formula
+        return min(max(adj, 3), 999)
+
+    @property
+    def deadline(self) -> float:
+        """Seconds from t_hot the guard may take: window + one interval + slack (see run())."""
+        return self.window + self.interval + self.slack
+
+    def note(self, line: str) -> None:
+        self.summary.append(line)
+        self.data["summary"] = self.summary
+        log(f"guard: {line}")
+
+    def check(self, step: str, subject: str, file: str, expected, actual, why: str = "", source: str = "cgroupfs",
+              ok: bool | None = None) -> bool:
+        return self.report.check(self.name, step, subject, file, str(expected), str(actual), why, source, ok)
+
+    # -- the shim and the pods
+    def start_shim(self, phase: str, action: str, port: int) -> None:
+        extra = ("--monitor-interval", f"{self.interval:g}", "--guard-action", action,
+                 "--guard-threshold", f"{self.threshold:g}", "--guard-window", f"{self.window:g}",
+                 "--guard-cooldown", f"{self.cooldown:g}", "--metrics-address", f"127.0.0.1:{port}")
+        self.shim = Shim(self.args.python, self.logs, f"guard-{phase}", self.kubelet_config, "/proc/meminfo", extra)
+        self.metrics_address = f"127.0.0.1:{port}"
+        dt = self.shim.start()
+        self.report.timing(f"guard-{phase}:shim-start", dt)
+        log(f"guard-{phase}: shim (guard action {action}) serving after {dt:.1f}s")
+        self.cri = Cri(SHIM_SOCK)
+
+    def stop_shim(self) -> None:
+        if self.cri:
+            self.cri.close()
+            self.cri = None
+        if self.shim and self.shim.proc and self.shim.proc.poll() is None:
+            self.shim.kill(signal.SIGTERM)
+
+    def create_pod(self, name: str, target_mib: int) -> dict:
+        """RunPodSandbox, CreateContainer, StartContainer through the shim, shaped like the
+        kubelet's (host network, Burstable cgroup parent, MemoryQoS-style memory.min)."""
+        import uuid
+
+        from shim.cri import api_pb2 as pb
+
+        uid = uuid.uuid4().hex
+        parent = f"/kubepods/burstable/pod{uid}"
+        logdir = os.path.join(self.work, "pods", f"default_{name}_{uid}")
+        os.makedirs(os.path.join(logdir, "hog"), exist_ok=True)
+        sb = pb.PodSandboxConfig()
+        sb.metadata.name, sb.metadata.uid, sb.metadata.namespace = name, uid, "default"
+        sb.log_directory = logdir
+        sb.labels.update({"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": "default",
+                          "io.kubernetes.pod.uid": uid, "app": "memqos-guard-e2e"})
+        sb.linux.cgroup_parent = parent
+        sb.linux.security_context.namespace_options.network = pb.NODE
+        sb.linux.security_context.namespace_options.pid = pb.CONTAINER
+        sandbox_id = self.cri.call("RunPodSandbox", pb.RunPodSandboxRequest(config=sb)).pod_sandbox_id
+        req = pb.CreateContainerRequest(pod_sandbox_id=sandbox_id)
+        req.sandbox_config.CopyFrom(sb)
+        c = req.config
+        c.metadata.name = "hog"
+        c.image.image = HOG_IMAGE
+        c.args.extend([str(target_mib), str(self.STEP_MS), "sleep"])
+        c.log_path = "hog/0.log"
+        c.labels.update({"io.kubernetes.container.name": "hog", "io.kubernetes.pod.name": name,
+                         "io.kubernetes.pod.namespace": "default", "io.kubernetes.pod.uid": uid})
+        r = c.linux.resources
+        r.cpu_period, r.cpu_shares = 100000, 2
+        r.memory_limit_in_bytes = self.LIMIT
+        r.oom_score_adj = self.oom_score_adj()
+        r.unified["memory.min"] = str(self.REQUEST)  # a kubelet with MemoryQoS on sends the request
+        c.linux.security_context.namespace_options.network = pb.NODE
+        c.linux.security_context.namespace_options.pid = pb.CONTAINER
+        cid = self.cri.call("CreateContainer", req).container_id
+        self.cri.call("StartContainer", pb.StartContainerRequest(container_id=cid))
+        t = time.time()
+        log(f"guard: pod {name} started ({cid[:12]}, hog target {target_mib} MiB)")
+        return {"name": name, "uid": uid, "sandbox": sandbox_id, "id": cid, "parent": parent,
+                "cg": f"{parent}/{cid}", "log": os.path.join(logdir, "hog", "0.log"), "target": target_mib,
+                "t_start": t, "samples": [], "finished": False, "status": None}
+
+    def remove_pod(self, pod: dict) -> None:
+        from shim.cri import api_pb2 as pb
+
+        cri = self.cri or self.direct
+        cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+        cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+
+    def status(self, pod: dict):
+        from shim.cri import api_pb2 as pb
+
+        return self.direct.call("ContainerStatus", pb.ContainerStatusRequest(container_id=pod["id"])).status
+
+    # -- watching
+    def sample(self, pod: dict, phase: str) -> dict:
+        cg = pod["cg"]
+        t = time.time()
+        s: dict = {"t": round(t - pod["t_start"], 2), "wall": round(t, 3)}
+        if os.path.isdir(CGROOT + cg):
+            cur = cg_read(cg, "memory.current")
+            s["current"] = int(cur) if cur.isdigit() else None
+            s["high"] = cg_read(cg, "memory.high")
+            s["events"] = parse_events(cg_read(cg, "memory.events"))
+            p = parse_pressure(cg_read(cg, "memory.pressure"))
+            s["full"], s["some"] = p.get("full"), p.get("some")
+        else:
+            s["gone"] = True
+        s["pod_events"] = parse_events(cg_read(pod["parent"], "memory.events"))
+        hog = hog_progress(pod["log"])
+        s["hog_mib"], s["hog_done"] = hog["mib"], hog["done"]
+        pod["hog"] = hog
+        pod["samples"].append(s)
+        with open(self.timeline, "a") as f:
+            f.write(json.dumps({"phase": phase, "pod": pod["name"], **s}) + "\n")
+        return s
+
+    def first(self, pod: dict, pred) -> dict | None:
+        return next((s for s in pod["samples"] if pred(s)), None)
+
+    def is_at_high(self, s: dict) -> bool:
+        return s.get("current") is not None and s["current"] >= self.at_high and s.get("high") != "max"
+
+    def is_hot(self, s: dict) -> bool:
+        return self.is_at_high(s) and s.get("full") is not None and s["full"] >= self.threshold
+
+    def audit(self, pod: dict, event: str) -> dict | None:
+        return next((r for r in read_audit(self.shim.audit_log)
+                     if r.get("event") == event and r.get("container_id") == pod["id"]), None)
+
+    def watch(self, phase: str, pods: list[dict], finished, limit: float) -> None:
+        """Sample every pod each POLL seconds until finished(pod, sample) holds for all of them
+        or `limit` seconds passed."""
+        deadline = time.time() + limit
+        last_status = 0.0
+        while time.time() < deadline and not all(p["finished"] for p in pods):
+            poll_status = time.time() - last_status >= 1.0
+            if poll_status:
+                last_status = time.time()
+            for p in pods:
+                if p["finished"]:
+                    continue
+                s = self.sample(p, phase)
+                if poll_status or s.get("gone"):
+                    st = self.status(p)
+                    p["status"] = st
+                    s["state"] = st.state
+                if finished(p, s):
+                    p["finished"] = True
+            time.sleep(self.POLL)
+        for p in pods:
+            if not p["finished"]:
+                p["timed_out"] = True
+                log(f"guard: {phase}/{p['name']} not finished after {limit:.0f}s")
+
+    # -- timings
+    def timings(self, pod: dict, action: dict | None) -> dict:
+        """Times in seconds since StartContainer returned (t 0): at memory.high, hot (PSI full
+        avg10 >= threshold at memory.high: the crawl as the guard defines it), the shim's action."""
+        t0 = pod["t_start"]
+        at_high, hot = self.first(pod, self.is_at_high), self.first(pod, self.is_hot)
+        out: dict = {"at_high": at_high and at_high["t"], "hot": hot and hot["t"],
+                     "full_avg10_max": max((s["full"] for s in pod["samples"] if s.get("full") is not None),
+                                           default=None)}
+        if action:
+            out["action"] = round(action["time"] - t0, 2)
+            if hot:
+                out["action_after_hot"] = round(action["time"] - hot["wall"], 2)
+            if at_high:
+                out["action_after_at_high"] = round(action["time"] - at_high["wall"], 2)
+        pod["timings"] = out
+        return out
+
+    def sample_at(self, pod: dict, wall: float) -> dict | None:
+        """The last sample taken at or before `wall`."""
+        before = [s for s in pod["samples"] if s["wall"] <= wall]
+        return before[-1] if before else None
+
+    # -- the two phases
+    def control(self) -> None:
+        step = "control (guard action none)"
+        self.start_shim("control", "none", 19464)
+        pod = self.create_pod("guard-control", self.TARGET_OOM)
+        report_rec: dict = {}
+
+        def finished(p: dict, s: dict) -> bool:
+            if not report_rec:
+                rec = self.audit(p, "guard-report")
+                if rec:
+                    report_rec.update(rec)
+                    log(f"guard: control: guard-report after {rec['time'] - p['t_start']:.1f}s")
+            # keep watching for five more intervals past the report: the crawl goes on
+            return bool(report_rec) and time.time() >= report_rec["time"] + 5 * self.interval
+
+        self.watch("control", [pod], finished, 150)
+        metrics = scrape_metrics(self.metrics_address)
+        end = pod["samples"][-1]
+        tm = self.timings(pod, report_rec or None)
+        hot = self.first(pod, self.is_hot)
+        subject = f"{pod['name']}/hog (request 16Mi, limit 96Mi, hog target {pod['target']} MiB)"
+        cg = f"{CGROOT}{pod['cg']}"
+        self.check(step, subject, f"{cg}/memory.high (at creation: first sample)", self.high,
+                   pod["samples"][0].get("high"), "; ".join(f"{k}: {v}" for k, v in self.exp.why.items()))
+        self.check(step, subject, f"{cg}/memory.max", X.kernel_reads(self.LIMIT, self.node.page),
+                   cg_read(pod["cg"], "memory.max"), "the limit")
+        self.check(step, subject, f"{cg}/memory.pressure full avg10 >= threshold while at memory.high",
+                   f">= {self.threshold:g}% at some sample", f"max {tm['full_avg10_max']}% "
+                   f"({'first at t+' + str(hot['t']) + 's' if hot else 'never with memory.current at memory.high'})",
+                   "the crawl as the guard defines it: PSI full avg10 >= threshold, memory.current at memory.high",
+                   ok=hot is not None)
+        self.check(step, subject, f"{self.shim.audit_log}: guard-report for {pod['id'][:12]}",
+                   f"<= {self.deadline:g} s after the crawl began", f"{tm.get('action_after_hot')} s"
+                   if report_rec else "no guard-report record",
+                   f"window {self.window:g} + interval {self.interval:g} + slack {self.slack:g}", "audit log",
+                   ok=bool(report_rec) and hot is not None and tm["action_after_hot"] <= self.deadline)
+        relax = self.audit(pod, "guard-relax")
+        self.check(step, subject, f"{self.shim.audit_log}: guard-relax for {pod['id'][:12]}", "none",
+                   "none" if relax is None else "present", "guard action none writes nothing", "audit log")
+        self.check(step, subject, f"{cg}/memory.high (end)", self.high, end.get("high"),
+                   "guard action none: memory.high unchanged")
+        # far below memory.max: closer to memory.high than to memory.max, and the hog short of its target
+        mid = (self.high + self.LIMIT) // 2
+        cur = end.get("current")
+        self.check(step, subject, f"{cg}/memory.current (end)",
+                   f">= {self.at_high} (at memory.high) and < {mid} (halfway memory.high..memory.max)",
+                   cur, f"{(cur or 0) / MI:.1f} MiB = {100 * (cur or 0) / self.LIMIT:.0f}% of memory.max, "
+                   f"{(end['wall'] - hot['wall']) if hot else 0:.1f} s after the crawl began",
+                   ok=cur is not None and self.at_high <= cur < mid)
+        self.check(step, subject, f"{pod['log']}: hog progress (end)", f"< {pod['target']} MiB (not done)",
+                   f"{end['hog_mib']} MiB", "the hog crawls", "container log", ok=not end["hog_done"])
+        if hot:
+            ev0, ev1 = hot["events"].get("high", 0), end.get("events", {}).get("high", 0)
+            self.check(step, subject, f"{cg}/memory.events high (crawl start -> end)", f"> {ev0}", ev1,
+                       "the kernel keeps throttling at memory.high", ok=ev1 > ev0)
+            dt = end["wall"] - hot["wall"]
+            rate = ((cur or 0) - hot["current"]) / MI / dt if dt > 0 else None
+            hog_rate = (end["hog_mib"] - hot["hog_mib"]) / dt if dt > 0 else None
+            at_high = self.first(pod, self.is_at_high)
+            dt_high = end["wall"] - at_high["wall"]
+            tm.update(over_high_seconds=round(dt_high, 2),
+                      over_high_rate_mib_s=round(((cur or 0) - at_high["current"]) / MI / dt_high, 3))
+            tm.update(crawl_seconds=round(dt, 2), crawl_rate_mib_s=rate and round(rate, 3),
+                      hog_rate_mib_s=hog_rate and round(hog_rate, 3),
+                      current_at_hot=hot["current"], current_end=cur, hog_mib_at_hot=hot["hog_mib"],
+                      hog_mib_end=end["hog_mib"], events_high_at_hot=ev0, events_high_end=ev1)
+            if rate and rate > 0:
+                tm["projected_seconds_to_memory_max"] = round((self.LIMIT - (cur or 0)) / MI / rate)
+        m_full = metric(metrics, "memqos_container_memory_pressure_avg10_ratio", container_id=pod["id"], kind="full")
+        m_report = metric(metrics, "memqos_guard_actions_total", action="report")
+        self.check(step, "/metrics", f"http://{self.metrics_address}/metrics memqos_guard_actions_total{{action=report}}",
+                   "1.0", m_report, "counted from the audit stream", "metrics")
+        self.check(step, "/metrics", f"http://{self.metrics_address}/metrics "
+                   f"memqos_container_memory_pressure_avg10_ratio{{kind=full,container_id={pod['id'][:12]}}}",
+                   f">= {self.threshold / 100:g}", m_full, "the monitor's last sample", "metrics",
+                   ok=m_full is not None and m_full >= self.threshold / 100)
+        self.data["phases"]["control"] = {
+            "pod": pod["id"], "timings": tm, "report_record": report_rec or None,
+            "metrics": {"full_avg10_ratio": m_full, "guard_actions_report": m_report,
+                        "monitor_sample_duration_seconds": metric(metrics, "memqos_monitor_sample_duration_seconds")}}
+        self.note(f"control (action none): memory.high {self.high / MI:.0f} MiB reached at t+{tm['at_high']}s, "
+                  f"crawl (full avg10 >= {self.threshold:g}%) from t+{tm['hot']}s, guard-report "
+                  f"{tm.get('action_after_hot')}s later; over {tm.get('crawl_seconds')}s of crawl memory.current "
+                  f"{(tm.get('current_at_hot') or 0) / MI:.1f} -> {(cur or 0) / MI:.1f} MiB "
+                  f"({tm.get('crawl_rate_mib_s')} MiB/s; hog {tm.get('hog_mib_at_hot')} -> {tm.get('hog_mib_end')} MiB), "
+                  f"full avg10 max {tm['full_avg10_max']}%; at that rate memory.max is "
+                  f"{tm.get('projected_seconds_to_memory_max')}s away")
+        self.remove_pod(pod)
+        self.stop_shim()
+
+    def guard(self) -> None:
+        step = "guard (action relax)"
+        self.start_shim("relax", "relax", 19465)
+        oom = self.create_pod("guard-oom", self.TARGET_OOM)
+        done = self.create_pod("guard-complete", self.TARGET_COMPLETE)
+        relaxed: dict[str, dict] = {}
+
+        def finished(p: dict, s: dict) -> bool:
+            if p["id"] not in relaxed:
+                rec = self.audit(p, "guard-relax")
+                if rec:
+                    relaxed[p["id"]] = rec
+                    log(f"guard: relax of {p['name']} after {rec['time'] - p['t_start']:.1f}s")
+            if p is oom:
+                st = p["status"]
+                from shim.cri import api_pb2 as pb
+
+                return st is not None and st.state == pb.CONTAINER_EXITED
+            return p["id"] in relaxed and s["hog_done"] and s.get("high") == "max"
+
+        self.watch("guard", [oom, done], finished, 180)
+        metrics = scrape_metrics(self.metrics_address)
+        phase: dict = {"metrics": {}}
+        for pod in (oom, done):
+            rec = relaxed.get(pod["id"])
+            tm = self.timings(pod, rec)
+            hot = self.first(pod, self.is_hot)
+            subject = f"{pod['name']}/hog (request 16Mi, limit 96Mi, hog target {pod['target']} MiB)"
+            cg = f"{CGROOT}{pod['cg']}"
+            self.check(step, subject, f"{cg}/memory.high (at creation: first sample)", self.high,
+                       pod["samples"][0].get("high"), "; ".join(f"{k}: {v}" for k, v in self.exp.why.items()))
+            self.check(step, subject, f"{cg}/memory.pressure full avg10 >= threshold while at memory.high",
+                       f">= {self.threshold:g}% at some sample", f"max {tm['full_avg10_max']}% "
+                       f"({'first at t+' + str(hot['t']) + 's' if hot else 'never with memory.current at memory.high'})",
+                       "the crawl as the guard defines it", ok=hot is not None)
+            self.check(step, subject, f"{self.shim.audit_log}: guard-relax for {pod['id'][:12]}",
+                       f"<= {self.deadline:g} s after the crawl began",
+                       f"{tm.get('action_after_hot')} s" if rec else "no guard-relax record",
+                       f"window {self.window:g} + interval {self.interval:g} + slack {self.slack:g}", "audit log",
+                       ok=bool(rec) and hot is not None and tm["action_after_hot"] <= self.deadline)
+            self.check(step, subject, f"{self.shim.audit_log}: guard-relax old -> new", f"{self.high} -> max",
+                       f"{rec.get('old')} -> {rec.get('new')}" if rec else "no record", "compare-and-write of memory.high",
+                       "audit log")
+            after = [s for s in pod["samples"] if rec and s["wall"] >= rec["time"] and not s.get("gone")]
+            self.check(step, subject, f"{cg}/memory.high (first sample after guard-relax)", "max",
+                       after[0].get("high") if after else "(no sample before the cgroup went away)",
+                       f"read {after[0]['wall'] - rec['time']:.2f} s after the record" if after else "")
+            at_relax = self.sample_at(pod, rec["time"]) if rec else None
+            if at_relax:
+                tm.update(current_at_relax=at_relax.get("current"), hog_mib_at_relax=at_relax["hog_mib"])
+            if hot and rec:
+                dt = rec["time"] - hot["wall"]
+                tm["crawl_rate_mib_s"] = round(((at_relax or hot).get("current", 0) - hot["current"]) / MI / dt, 3) \
+                    if dt > 0 and (at_relax or hot).get("current") is not None else None
+            if pod is oom:
+                self.check_oom(step, subject, pod, rec, tm)
+            else:
+                self.check_complete(step, subject, pod, rec, tm)
+            phase[pod["name"]] = {"pod": pod["id"], "timings": tm, "relax_record": rec}
+            phase["metrics"][pod["name"]] = {
+                "memory_high_bytes": metric(metrics, "memqos_container_memory_high_bytes", container_id=pod["id"]),
+                "guard_relaxed": metric(metrics, "memqos_container_guard_relaxed", container_id=pod["id"])}
+        m_relax = metric(metrics, "memqos_guard_actions_total", action="relax")
+        phase["metrics"]["guard_actions_relax"] = m_relax
+        phase["metrics"]["monitor_sample_duration_seconds"] = metric(metrics, "memqos_monitor_sample_duration_seconds")
+        self.check(step, "/metrics", f"http://{self.metrics_address}/metrics memqos_guard_actions_total{{action=relax}}",
+                   "2.0", m_relax, "one relaxation per crawling container", "metrics")
+        m_high = phase["metrics"]["guard-complete"]["memory_high_bytes"]
+        self.check(step, "/metrics", f"http://{self.metrics_address}/metrics memqos_container_memory_high_bytes"
+                   f"{{container_id={done['id'][:12]}}}", "inf", m_high, "memory.high max shows as +Inf", "metrics")
+        self.data["phases"]["guard"] = phase
+        self.stop_shim()
+
+    def check_oom(self, step: str, subject: str, pod: dict, rec: dict | None, tm: dict) -> None:
+        """Relaxed, the hog runs into memory.max: the kernel OOM-kills it. Its cgroup goes away
+        with the task (containerd deletes it on exit), so oom_kill is read from the pod cgroup
+        (memory.events is hierarchical) and, when a sample caught it, from the container's."""
+        st = self.status(pod)
+        pod["status"] = st
+        from shim.cri import api_pb2 as pb
+
+        pod_events = parse_events(cg_read(pod["parent"], "memory.events"))
+        self.check(step, subject, f"{CGROOT}{pod['parent']}/memory.events oom_kill (pod: hierarchical)", ">= 1",
+                   pod_events.get("oom_kill"), "killed at memory.max", ok=(pod_events.get("oom_kill") or 0) >= 1)
+        seen = [s["events"].get("oom_kill", 0) for s in pod["samples"] if s.get("events")]
+        self.check(step, subject, f"ContainerStatus {pod['id'][:12]} state/exit_code/reason",
+                   "CONTAINER_EXITED/137/OOMKilled",
+                   f"{pb.ContainerState.Name(st.state)}/{st.exit_code}/{st.reason}", "the runtime saw the OOM kill",
+                   "CRI ContainerStatus")
+        hog = pod.get("hog") or {}
+        last = hog.get("mib", 0)
+        limit_mib = self.LIMIT // MI
+        self.check(step, subject, f"{pod['log']}: last MiB touched", f"> {self.high // MI} and <= {limit_mib}",
+                   f"{last} MiB", "past memory.high once relaxed, never past memory.max", "container log",
+                   ok=self.high // MI < last <= limit_mib)
+        exited = self.first(pod, lambda s: s.get("state") == pb.CONTAINER_EXITED or s.get("gone"))
+        tm.update(container_oom_kill_seen=max(seen, default=None), pod_oom_kill=pod_events.get("oom_kill"),
+                  hog_mib_last=last, exit_code=st.exit_code, reason=st.reason,
+                  gone_or_exited=exited and exited["t"])
+        if rec and hog.get("wall"):
+            tm["last_step_after_relax"] = round(hog["wall"] - rec["time"], 2)
+        self.note(f"{pod['name']} (target {pod['target']} MiB > limit): memory.high reached at t+{tm['at_high']}s, "
+                  f"crawl from t+{tm['hot']}s, guard-relax {tm.get('action_after_hot')}s later "
+                  f"(memory.current {(tm.get('current_at_relax') or 0) / MI:.1f} MiB, hog at "
+                  f"{tm.get('hog_mib_at_relax')} MiB, crawl {tm.get('crawl_rate_mib_s')} MiB/s); then the hog reached "
+                  f"{last} MiB {tm.get('last_step_after_relax')}s after the relax and was OOM-killed "
+                  f"(exit {st.exit_code} {st.reason}, pod memory.events oom_kill {pod_events.get('oom_kill')})")
+
+    def check_complete(self, step: str, subject: str, pod: dict, rec: dict | None, tm: dict) -> None:
+        hog = pod.get("hog") or {}
+        end = pod["samples"][-1]
+        cg = f"{CGROOT}{pod['cg']}"
+        self.check(step, subject, f"{pod['log']}: hog done", f"done {pod['target']} MiB",
+                   f"{'done' if hog.get('done') else 'not done'} {hog.get('mib')} MiB", "the target fits below memory.max",
+                   "container log", ok=hog.get("done") and hog.get("mib") == pod["target"])
+        cur = end.get("current")
+        self.check(step, subject, f"{cg}/memory.current (after done)",
+                   f">= {pod['target'] * MI} and <= {self.LIMIT}", cur, "the hog's memory is charged in full",
+                   ok=cur is not None and pod["target"] * MI <= cur <= self.LIMIT)
+        self.check(step, subject, f"{cg}/memory.events oom_kill", "0", end.get("events", {}).get("oom_kill"),
+                   "completed below memory.max")
+        st = self.status(pod)
+        from shim.cri import api_pb2 as pb
+
+        self.check(step, subject, f"ContainerStatus {pod['id'][:12]} state", "CONTAINER_RUNNING",
+                   pb.ContainerState.Name(st.state), "the hog sleeps after its target", "CRI ContainerStatus")
+        if rec and hog.get("done_wall"):
+            tm["done_after_relax"] = round(hog["done_wall"] - rec["time"], 2)
+        tm.update(current_end=cur, hog_mib_end=hog.get("mib"))
+        self.note(f"{pod['name']} (target {pod['target']} MiB < limit): memory.high reached at t+{tm['at_high']}s, "
+                  f"crawl from t+{tm['hot']}s, guard-relax {tm.get('action_after_hot')}s later "
+                  f"(memory.current {(tm.get('current_at_relax') or 0) / MI:.1f} MiB, hog at "
+                  f"{tm.get('hog_mib_at_relax')} MiB, crawl {tm.get('crawl_rate_mib_s')} MiB/s); done "
+                  f"{tm.get('done_after_relax')}s after the relax, memory.current {(cur or 0) / MI:.1f} MiB, "
+                  f"memory.high {end.get('high')}")
+
+    def run(self) -> None:
+        t = time.time()
+        swaps = open("/proc/swaps").read().splitlines()[1:]
+        self.data["guest"] = {"swap": swaps, "mem_available_kb": int(next(
+            line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable")))}
+        if swaps:
+            raise InfraError(f"the guest has swap ({swaps}): anonymous memory could be swapped, no crawl to prove")
+        self.control()
+        self.guard()
+        self.report.timing("guard:total", time.time() - t)
+
+    def teardown(self) -> None:
+        from shim.cri import api_pb2 as pb
+
+        self.stop_shim()
+        try:
+            for sb in self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items:
+                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id))
+                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id))
+        except Exception as e:  # noqa: BLE001
+            log(f"guard teardown: {e}")
+        remove_cgroup_tree("kubepods")
+        self.direct.close()
+
+
 def load_manifests(directory: str) -> dict:
     import yaml
 
@@ -877,7 +1481,7 @@ def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Re
     cri = Cri(CONTAINERD_SOCK)
     deadline = time.time() + 120
     try:
-        for ref in ("localhost/pause:e2e", "localhost/busybox:latest"):
+        for ref in ("localhost/pause:e2e", "localhost/busybox:latest", HOG_IMAGE):
             while True:
                 try:
                     st = cri.call("ImageStatus", pb.ImageStatusRequest(image=pb.ImageSpec(image=ref)),
@@ -923,7 +1527,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--images", required=True, help="directory with busybox.tar and pause.tar")
-    ap.add_argument("--trace", action="append", required=True, help="NAME=PATH of a recorded kubelet trace")
+    ap.add_argument("--trace", action="append", default=[], help="NAME=PATH of a recorded kubelet trace")
+    ap.add_argument("--guard", action="store_true", help="run the PSI guard scenario (after the traces)")
+    ap.add_argument("--guard-threshold", type=float, default=40.0, help="guard: PSI full avg10 percent")
+    ap.add_argument("--guard-interval", type=float, default=1.0, help="guard: the shim's --monitor-interval")
+    ap.add_argument("--guard-window", type=float, default=10.0, help="guard: the shim's --guard-window")
+    ap.add_argument("--guard-cooldown", type=float, default=20.0, help="guard: the shim's --guard-cooldown")
+    ap.add_argument("--guard-slack", type=float, default=3.0,
+                    help="guard: seconds allowed beyond window + one interval for the guard to act")
     ap.add_argument("--manifests", default="")
     ap.add_argument("--driver", default="all", help="cgroupfs, systemd or all")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the reconciler gets to converge")
@@ -955,7 +1566,7 @@ def main(argv: list[str]) -> int:
         report.data["reconciler"] = {"available": reconciler[0], "reset_help": reconciler[1][-1500:]}
         if not reconciler[0]:
             log("no reconciler in the checkout: pod/QoS/node values will be reported as skipped")
-        images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar")]
+        images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar", "hog.tar")]
         containerd = start_containerd(logs, images, False, report)
         log("containerd ready, images imported")
         for spec in args.trace:
@@ -972,6 +1583,21 @@ def main(argv: list[str]) -> int:
             finally:
                 scenario.teardown()
                 report.save()
+        if args.guard:
+            guard = GuardScenario(args, report)
+            try:
+                guard.run()
+            except InfraError as e:
+                report.data["errors"].append(f"guard: {e}")
+                log(f"INFRA ERROR in guard: {e}")
+            except Exception:  # noqa: BLE001
+                report.data["errors"].append(f"guard: {traceback.format_exc()}")
+                log(f"ERROR in guard: {traceback.format_exc()}")
+            finally:
+                guard.teardown()
+                report.save()
+        if not args.trace and not args.guard:
+            raise InfraError("nothing to run: no --trace and no --guard")
     except InfraError as e:
         report.data["errors"].append(str(e))
         log(f"INFRA ERROR: {e}")

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -148,6 +149,56 @@ def test_guest_maps_recorded_ids_everywhere():
     assert req.config.annotations["x"] == "new-sb" and req.config.mounts[0].host_path == "new-sb"
 
 
+def test_guard_scenario_memory_high_is_well_below_the_limit():
+    """The guard scenario's container: request 16Mi, limit 96Mi, factor 0.25 -> memory.high
+    36Mi (the guest's 512M VM: MemTotal 466140 kB, as the suite's reports show)."""
+    import guest
+
+    G = guest.GuardScenario
+    node = X.Node(capacity=466140 * 1024, page=4096, factor=G.FACTOR)
+    adj = 1000 - (1000 * G.REQUEST) // node.capacity
+    e = X.container_expectation(X.BURSTABLE, G.LIMIT, adj, {"memory.min": str(G.REQUEST)}, node)
+    assert (e.min, e.high, e.max) == (16 * MI, 36 * MI, 96 * MI)
+    assert G.TARGET_COMPLETE * MI < G.LIMIT < G.TARGET_OOM * MI  # one completes, one is OOM-killed
+    assert e.high < G.TARGET_COMPLETE * MI  # both allocate past memory.high
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="no gcc")
+def test_hog_progress_as_the_guest_reads_it(tmp_path):
+    """e2e/hog.c's lines, as containerd writes them to the CRI log, parsed by the guest."""
+    import guest
+
+    binary = tmp_path / "hog"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(binary),
+                    os.path.join(ROOT, "e2e", "hog.c")], check=True)
+    p = subprocess.run([str(binary), "3", "1", "exit"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    log = tmp_path / "0.log"
+    log.write_text("".join(f"2026-01-01T00:00:00.{i:09d}Z stdout F {line}\n"
+                           for i, line in enumerate(p.stdout.splitlines())))
+    got = guest.hog_progress(str(log))
+    assert got["mib"] == 3 and got["done"] and got["lines"] == 5
+    assert got["done_wall"] >= got["started_wall"] > 0
+    assert subprocess.run([str(binary), "0"], capture_output=True).returncode == 2
+
+
+def test_guard_helpers_parse_kernel_files():
+    import guest
+
+    assert guest.parse_pressure("some avg10=80.10 avg60=1.00 avg300=0.20 total=1\n"
+                                "full avg10=77.74 avg60=1.00 avg300=0.20 total=2\n") == {"some": 80.1, "full": 77.74}
+    assert guest.parse_events("low 0\nhigh 718\nmax 3\noom 1\noom_kill 1\n")["oom_kill"] == 1
+    m = {'memqos_guard_actions_total{action="relax"}': 2.0, 'memqos_guard_actions_created{action="relax"}': 9.0}
+    assert guest.metric(m, "memqos_guard_actions_total", action="relax") == 2.0
+    assert guest.metric(m, "memqos_guard_actions_total", action="report") is None
+
+
+def test_e2e_vm_rejects_an_unknown_scenario():
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--scenario", "bogus", "--no-install"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "--scenario must be all, traces or guard" in p.stderr
+
+
 @pytest.mark.vm
 def test_real_kernel_suite(tmp_path):
     """Boot the VM and run the whole suite; every asserted cgroup file must match."""
@@ -168,3 +219,8 @@ def test_real_kernel_suite(tmp_path):
     assert report["summary"]["passed"] > 0
     for c in report["checks"]:
         assert {"file", "expected", "actual", "pass"} <= set(c)
+    # the guard scenario ran both phases and recorded its timings
+    phases = report["guard"]["phases"]
+    assert phases["control"]["timings"]["action_after_hot"] is not None
+    for pod in ("guard-oom", "guard-complete"):
+        assert phases["guard"][pod]["relax_record"]["new"] == "max"
