@@ -25,11 +25,9 @@ stream.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import re
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,7 +44,7 @@ from shim.decision.guard import (
     decide,
     history_needed,
 )
-from shim.effects.cgroupfs import PathRefused, split_path
+from shim.effects.cgroupfs import CgroupTree, PathRefused, split_path
 from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
 from shim.node import KubeletFacts, is_cgroup_v2
 
@@ -103,43 +101,11 @@ def parse_pressure(text: str | None) -> dict[str, dict[str, float]]:
 
 
 # -- validated cgroup access -----------------------------------------------------------
-class ContainerCgroups:
-    """Reads of memory.* files and writes of memory.high, below ``root``, only inside the
-    ``allowed`` subtrees (relative paths), never through a symlink."""
+class ContainerCgroups(CgroupTree):
+    """Reads of memory.* files and writes of memory.high, below ``root``, only strictly inside
+    the ``allowed`` subtrees (relative paths), never through a symlink (CgroupTree)."""
 
-    def __init__(self, root: str, allowed: Iterable[str] = ()):
-        self.root = root
-        self._allowed = [split_path(a) for a in allowed]
-
-    def set_allowed(self, allowed: Iterable[str]) -> None:
-        self._allowed = [split_path(a) for a in allowed]
-
-    def check(self, rel: str) -> list[str]:
-        parts = split_path(rel)
-        for a in self._allowed:
-            if a and parts[: len(a)] == a and len(parts) > len(a):
-                return parts
-        raise PathRefused(f"{rel!r} is outside the managed cgroups {['/'.join(a) for a in self._allowed]}")
-
-    def abspath(self, rel: str) -> str:
-        return os.path.join(self.root, *split_path(rel))
-
-    def _open_dir(self, parts: list[str]) -> int:
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for i, comp in enumerate(parts):
-                try:
-                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise PathRefused(f"{'/'.join(parts[: i + 1])!r} is a symlink or not a directory") from None
-                    raise
-                os.close(fd)
-                fd = nfd
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
+    strictly_below = True
 
     def is_dir(self, rel: str) -> bool:
         """False when missing; PathRefused for a symlink (or a file) on the way."""
@@ -149,19 +115,6 @@ class ContainerCgroups:
             return False
         os.close(fd)
         return True
-
-    @staticmethod
-    def _open_file(dfd: int, name: str, flags: int) -> int:
-        try:
-            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise PathRefused(f"{name} is a symlink") from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise PathRefused(f"{name} is not a regular file")
-        return fd
 
     def read_files(self, rel: str, files: Iterable[str] = READ_FILES) -> dict[str, str | None]:
         """file -> content (None: missing or unreadable). FileNotFoundError when the cgroup is gone."""

@@ -73,29 +73,19 @@ def parse_value(text: str | None) -> int | None:
     return int(t)
 
 
-class CgroupFS:
-    """Reads and writes memory.min / memory.low below ``root``, inside ``allowed`` subtrees."""
+class CgroupTree:
+    """A cgroup root and the subtrees below it that may be touched; every access walks the
+    path one component at a time without following symlinks. The one implementation of
+    path validation for every writer (reconciler, reset, monitor)."""
 
-    def __init__(
-        self,
-        root: str,
-        allowed: Iterable[str] = (),
-        *,
-        emit: Callable[[dict], None] | None = None,
-        dry_run: bool = False,
-        keep: int = 10000,
-    ):
+    #: True: only cgroups strictly below an allowed subtree (the monitor's containers)
+    strictly_below = False
+
+    def __init__(self, root: str, allowed: Iterable[str] = ()):
         self.root = root
-        self.dry_run = dry_run
-        self._emit = emit
-        self._lock = threading.Lock()
-        self._seq = 0
-        #: every write, in order (bounded)
-        self.writes: collections.deque[Write] = collections.deque(maxlen=keep)
         self._allowed: list[list[str]] = []
         self.set_allowed(allowed)
 
-    # -- configuration ---------------------------------------------------------
     def set_allowed(self, allowed: Iterable[str]) -> None:
         roots = []
         for a in allowed:
@@ -112,8 +102,9 @@ class CgroupFS:
     def check(self, rel: str) -> list[str]:
         """Components of rel if it lies inside an allowed subtree, else PathRefused."""
         parts = split_path(rel)
+        extra = 1 if self.strictly_below else 0
         for a in self._allowed:
-            if parts[: len(a)] == a:
+            if parts[: len(a)] == a and len(parts) >= len(a) + extra:
                 return parts
         raise PathRefused(f"{rel!r} is outside the managed cgroups {self.allowed}")
 
@@ -121,7 +112,6 @@ class CgroupFS:
         p = os.path.join(self.root, *split_path(rel))
         return os.path.join(p, file) if file else p
 
-    # -- filesystem ------------------------------------------------------------
     def _open_dir(self, parts: Sequence[str]) -> int:
         """fd of root/parts, walking without following symlinks. FileNotFoundError if missing."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -146,6 +136,41 @@ class CgroupFS:
             os.close(fd)
             raise
 
+    @staticmethod
+    def _open_file(dfd: int, name: str, flags: int) -> int:
+        """An interface file in an opened cgroup: never a symlink, never created."""
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise PathRefused(f"{name} is a symlink") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise PathRefused(f"{name} is not a regular file")
+        return fd
+
+
+class CgroupFS(CgroupTree):
+    """Reads and writes memory.min / memory.low below ``root``, inside ``allowed`` subtrees."""
+
+    def __init__(
+        self,
+        root: str,
+        allowed: Iterable[str] = (),
+        *,
+        emit: Callable[[dict], None] | None = None,
+        dry_run: bool = False,
+        keep: int = 10000,
+    ):
+        self.dry_run = dry_run
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._seq = 0
+        #: every write, in order (bounded)
+        self.writes: collections.deque[Write] = collections.deque(maxlen=keep)
+        super().__init__(root, allowed)
+
     def validate(self, rel: str) -> bool:
         """PathRefused unless rel is inside the allowed subtrees with no symlink on the way;
         then whether the cgroup exists."""
@@ -167,16 +192,7 @@ class CgroupFS:
     def _file_fd(self, dfd: int, file: str, flags: int) -> int:
         if file not in MANAGED_FILES:
             raise PathRefused(f"{file!r} is not a file the shim writes")
-        try:
-            fd = os.open(file, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise PathRefused(f"{file} is a symlink") from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise PathRefused(f"{file} is not a regular file")
-        return fd
+        return self._open_file(dfd, file, flags)
 
     def read(self, rel: str, file: str) -> str | None:
         """The file's content (stripped), or None when the cgroup or file does not exist."""
