@@ -4,7 +4,8 @@
 addopts (-m 'not vm') leave that test out. The other tests here are quick and run with the
 main suite: they check e2e/expect.py, the independent arithmetic the VM suite compares the
 kernel's values with, against the reference's worked examples and against what the real
-kubelet (MemoryQoS on) wrote in the recorded traces.
+kubelet (MemoryQoS on) wrote in the recorded traces, and the guard scenario's own pieces
+(its container's memory.high, e2e/hog.c's progress lines as the guest parses them).
 """
 from __future__ import annotations
 
