@@ -178,6 +178,9 @@ class Processes:
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # as installed on a node: modules load from bytecode (compiling them at every start would
+        # add the compiler's memory to the shim's RSS)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         self.upstream = subprocess.Popen(
             [sys.executable, "-m", "shim.bench", "upstream", "--listen", str(self.upstream_sock)],
             stdout=subprocess.PIPE, stderr=open(self.dir / "upstream.log", "w"), env=env, text=True)
@@ -636,6 +639,7 @@ def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callab
             m[name]["create_p50_us"] = pct(lat_create[name], 50) * 1e6
             m[name]["passthrough_same_size_p50_us"] = pct(lat_pad[name], 50) * 1e6
         m["direct"]["create_request_bytes"] = float(size)
+        m["direct"]["hook_rewrite_us"] = hook_cost(template, sizes.creates)
 
         for t, pid in shims.items():
             m[t]["rss_end_mib"] = proc_rss_mib(pid)
@@ -648,6 +652,26 @@ def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callab
         procs.stop()
 
 
+def hook_cost(template, n: int) -> float:
+    """µs per call of the decision code's rewrite() on the benchmark's CreateContainer, in this
+    process, built as `serve` builds it: the share of a rewrite no transport can save."""
+    from shim.decision import Policy
+    from shim.node import load_kubelet_config, node_facts
+    from shim.service import build_container_qos, build_request_hooks
+    from shim.transport.hooks import CREATE_CONTAINER as METHOD
+
+    node = node_facts(16 * 1024 * MiB, load_kubelet_config(None), page_size=4096, allocatable=None, factor="auto")
+    hooks = build_request_hooks(build_container_qos(node, Policy.REQUEST, lambda record: None))
+    requests = []
+    for i in range(n):
+        template.config.metadata.attempt = 10_000_000 + i
+        requests.append(template.SerializeToString())
+    t0 = time.perf_counter()
+    for r in requests:
+        hooks.rewrite(METHOD, r)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def derive(m: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     d = m["direct"]
     for name, v in m.items():
@@ -657,6 +681,7 @@ def derive(m: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
                   "create_p50_us", "passthrough_same_size_p50_us"):
             v["added_" + k] = v[k] - d[k]
         v["throughput32_ratio"] = v["throughput32_cps"] / d["throughput32_cps"]
+        v["hook_rewrite_us"] = d.get("hook_rewrite_us", float("nan"))
         v["rewrite_extra_us"] = ((v["create_p50_us"] - d["create_p50_us"])
                                  - (v["passthrough_same_size_p50_us"] - d["passthrough_same_size_p50_us"]))
     return m
@@ -687,6 +712,7 @@ ROWS = [
     ("CreateContainer p50 (rewritten)", "create_p50_us", "µs", True),
     ("same-size passthrough p50", "passthrough_same_size_p50_us", "µs", True),
     ("rewrite extra over passthrough", "rewrite_extra_us", "µs", None),
+    ("  the decision code's rewrite() alone (in-process)", "hook_rewrite_us", "µs", None),
     ("shim CPU per 1000 small calls", "cpu_ms_per_1000", "ms", None),
     ("shim CPU per 1000 calls, 32 callers", "load_cpu_ms_per_1000", "ms", None),
     ("shim RSS idle", "rss_idle_mib", "MiB", None),
@@ -787,6 +813,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    import compileall
+
+    compileall.compile_dir(str(REPO / "shim"), quiet=1)  # bytecode, as `pip install` leaves it
     runs = []
     t_start = time.time()
     for r in range(sizes.runs):

@@ -120,11 +120,21 @@ class Service:
                    monitor=monitor, metrics=metrics)
 
     async def start(self) -> None:
-        from shim.transport.proxy import CriProxy
-
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)
-        self.proxy = CriProxy(self.cfg.listen, self.cfg.upstream, self.hooks,
-                              socket_mode=mode, socket_group=self.cfg.socket_group)
+        if getattr(self.cfg, "transport", "grpc") == "relay":
+            from shim.transport.loop_thread import ThreadedProxy, uvloop_factory
+            from shim.transport.relay import RelayProxy
+
+            self.proxy = RelayProxy(self.cfg.listen, self.cfg.upstream, self.hooks,
+                                    socket_mode=mode, socket_group=self.cfg.socket_group)
+            factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop
+            if factory is not None:
+                self.proxy = ThreadedProxy(self.proxy, factory, name="cri-relay")
+        else:
+            from shim.transport.proxy import CriProxy
+
+            self.proxy = CriProxy(self.cfg.listen, self.cfg.upstream, self.hooks,
+                                  socket_mode=mode, socket_group=self.cfg.socket_group)
         await self.proxy.start()
         log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
         if self.reconciler is not None:

@@ -1,0 +1,580 @@
+"""The HTTP/2 relay transport (shim.transport.relay) beyond the shared transport suite
+(tests/test_transport.py runs every passthrough and hook test on it too): byte identity of
+what it forwards, held and rewritten requests near the size cap and beyond it, flow control
+with many held streams, frames split across reads, CONTINUATION and padding from a raw HTTP/2
+client, the runtime going away, uvloop in a thread, and kubelet traces replayed through it with
+the same results as through the grpcio transport."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+
+import grpc
+import hpack
+import pytest
+
+from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+from shim.transport.relay import PREFACE, RelayProxy
+
+try:
+    from tests.upstream_echo import EchoUpstream, length_delimited, response_bytes
+except ImportError:
+    from upstream_echo import EchoUpstream, length_delimited, response_bytes
+
+VERSION = "/runtime.v1.RuntimeService/Version"
+EXEC_SYNC = "/runtime.v1.RuntimeService/ExecSync"
+PULL_IMAGE = "/runtime.v1.ImageService/PullImage"
+STATUS = "/runtime.v1.RuntimeService/ContainerStatus"
+EVENTS = "/runtime.v1.RuntimeService/GetContainerEvents"
+MiB = 1024 * 1024
+CLIENT_MAX = 64 * MiB
+TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
+def run(loop, aw, timeout: float = 60.0):
+    async def main():
+        return await (aw() if callable(aw) else aw)
+
+    return loop.run_until_complete(asyncio.wait_for(main(), timeout))
+
+
+class Hooks:
+    def __init__(self, rewrite=None) -> None:
+        self.rewrite_fn = rewrite
+        self.rewrites: list[tuple[str, bytes]] = []
+        self.finished_calls: list[FinishedCall] = []
+
+    def rewrite(self, method: str, request: bytes) -> bytes:
+        self.rewrites.append((method, request))
+        return request if self.rewrite_fn is None else self.rewrite_fn(method, request)
+
+    def finished(self, call: FinishedCall) -> None:
+        self.finished_calls.append(call)
+
+    def calls(self, method: str) -> list[FinishedCall]:
+        return [c for c in self.finished_calls if c.method == method]
+
+
+class Tap:
+    """A unix-socket pipe in front of ``target`` that records both directions; with ``split``
+    it cuts what it forwards into small pieces (so the next hop reads partial frames)."""
+
+    def __init__(self, path: str, target: str, split: random.Random | None = None) -> None:
+        self.path = path
+        self.target = target
+        self.split = split
+        self.c2s = bytearray()
+        self.s2c = bytearray()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server = None
+
+    async def start(self) -> "Tap":
+        self.server = await asyncio.start_unix_server(self._handle, self.path)
+        return self
+
+    async def _handle(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_unix_connection(self.target)
+        self.writers += [writer, up_writer]
+        await asyncio.gather(self._pump(reader, up_writer, self.c2s), self._pump(up_reader, writer, self.s2c),
+                             return_exceptions=True)
+
+    async def _pump(self, reader, writer, record: bytearray) -> None:
+        try:
+            while data := await reader.read(65536):
+                record += data
+                if self.split is None:
+                    writer.write(data)
+                else:
+                    i = 0
+                    while i < len(data):
+                        n = self.split.randrange(1, 300) if i < 20000 else len(data) - i
+                        writer.write(data[i:i + n])
+                        i += n
+                        await asyncio.sleep(0)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def kill(self) -> None:
+        for w in self.writers:
+            w.transport.abort()
+
+    async def stop(self) -> None:
+        self.server.close()
+        self.kill()
+
+
+class Stack:
+    """client -> [tap] -> relay -> [tap] -> echo upstream, on unix sockets."""
+
+    def __init__(self, base: str, *, hooks: Hooks | None = None, front_split=None, back_split=None,
+                 taps: bool = False, **relay_kw) -> None:
+        self.base = base
+        self.echo = EchoUpstream(f"{base}/up.sock")
+        self.hooks = hooks or Hooks()
+        self.taps = taps or front_split is not None or back_split is not None
+        upstream = f"{base}/up.sock"
+        self.back = self.front = None
+        if self.taps:
+            self.back = Tap(f"{base}/back.sock", upstream, back_split)
+            upstream = f"{base}/back.sock"
+        self.relay = RelayProxy(f"{base}/shim.sock", upstream, self.hooks, **relay_kw)
+        target = f"{base}/shim.sock"
+        if self.taps:
+            self.front = Tap(f"{base}/front.sock", target, front_split)
+            target = f"{base}/front.sock"
+        self.target = "unix://" + target
+        self.channel = None
+
+    async def start(self) -> "Stack":
+        await self.echo.start()
+        if self.back:
+            await self.back.start()
+        await self.relay.start()
+        if self.front:
+            await self.front.start()
+        self.channel = grpc.aio.insecure_channel(self.target, options=(
+            ("grpc.max_receive_message_length", CLIENT_MAX), ("grpc.max_send_message_length", CLIENT_MAX)))
+        return self
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        if self.front:
+            await self.front.stop()
+        await self.relay.stop(0)
+        if self.back:
+            await self.back.stop()
+        await self.echo.stop()
+
+    def unary(self, method: str):
+        return self.channel.unary_unary(method)
+
+
+@pytest.fixture
+def base(tmp_path):
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mqr-")  # short: unix socket paths are limited
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def request_for(method: str, tag: str = "", size: int = 0) -> bytes:
+    return length_delimited(15, f"{method}|{tag}".encode() + b"p" * size) + length_delimited(1, b"\x00\xffid")
+
+
+def added(method: str, request: bytes) -> bytes:
+    return request + length_delimited(99, b"rewritten by the test")
+
+
+# ------------------------------------------------------------------------------------ identity
+
+
+def test_passthrough_is_byte_identical_both_ways(loop, base):
+    """What the relay writes upstream is exactly what the client wrote, and the other way
+    round: frames, stream ids, HPACK state, grpc-timeout, window updates, pings."""
+    s = Stack(base, taps=True)
+    status_bin = b"\x08\x05\x12\x03err\x00\xff"
+
+    async def body():
+        await s.start()
+        try:
+            s.echo.behave(STATUS, fail=(grpc.StatusCode.NOT_FOUND, "no such container",
+                                        (("grpc-status-details-bin", status_bin),)))
+            s.echo.behave(PULL_IMAGE, response_size=5 * MiB)
+            rnd = random.Random(1)
+            for i in range(60):
+                md = (("x-request-id", f"r{i}"), ("x-big", "v" * rnd.randrange(3000)))
+                await s.unary(VERSION)(request_for(VERSION, str(i)), metadata=md, timeout=rnd.choice([3, 30, 300]))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await s.unary(STATUS)(b"", timeout=5)
+            assert len(await s.unary(PULL_IMAGE)(b"", timeout=20)) > 5 * MiB
+            big = length_delimited(1, os.urandom(5 * MiB))
+            await s.unary("/runtime.v1.RuntimeService/UpdateRuntimeConfig")(big, timeout=20)
+            msgs = [m async for m in s.channel.unary_stream(EVENTS)(b"", timeout=5)]
+            assert len(msgs) == 3
+            await asyncio.sleep(0.2)
+        finally:
+            await s.stop()
+
+    run(loop, body())
+    assert len(s.front.c2s) > 10 * MiB // 2
+    assert bytes(s.front.c2s) == bytes(s.back.c2s)
+    assert bytes(s.front.s2c) == bytes(s.back.s2c)
+
+
+# ------------------------------------------------------------------------------------ rewrites
+
+
+@pytest.mark.parametrize("size,rewrite", [
+    (16 * MiB - 64 * 1024, added),                                   # just under the hold cap
+    (6 * MiB, lambda m, r: r + length_delimited(98, r[:3 * MiB])),   # grows by half: beyond any window
+    (3 * MiB, lambda m, r: r[-100:]),                                # shrinks
+])
+def test_large_held_request_is_rewritten_within_flow_control(loop, base, size, rewrite):
+    s = Stack(base, hooks=Hooks(rewrite))
+    request = request_for(CREATE_CONTAINER, size=size)
+
+    async def body():
+        await s.start()
+        try:
+            small = [s.unary(VERSION)(b"", timeout=30) for _ in range(20)]
+            resp = await s.unary(CREATE_CONTAINER)(request, timeout=60)
+            await asyncio.gather(*small)
+            again = await s.unary(VERSION)(b"", timeout=10)  # the connection's windows are sound
+            return resp, again
+        finally:
+            await s.stop()
+
+    resp, again = run(loop, body(), timeout=120)
+    expected = rewrite(CREATE_CONTAINER, request)
+    [seen] = s.echo.calls(CREATE_CONTAINER)
+    assert seen.request == expected
+    assert resp == response_bytes(CREATE_CONTAINER, expected)
+    assert again == response_bytes(VERSION, b"")
+    [fc] = s.hooks.calls(CREATE_CONTAINER)
+    assert fc.request == request and fc.forwarded == expected and fc.responses == [resp]
+
+
+def test_request_above_the_hold_cap_is_forwarded_unchanged(loop, base):
+    s = Stack(base, hooks=Hooks(added), hold_max_bytes=1 * MiB)
+    request = request_for(UPDATE_CONTAINER_RESOURCES, size=3 * MiB)
+    near = request_for(CREATE_CONTAINER, size=MiB - 1000)
+
+    async def body():
+        await s.start()
+        try:
+            return (await s.unary(UPDATE_CONTAINER_RESOURCES)(request, timeout=30),
+                    await s.unary(CREATE_CONTAINER)(near, timeout=30))
+        finally:
+            await s.stop()
+
+    resp, resp_near = run(loop, body())
+    assert s.echo.calls(UPDATE_CONTAINER_RESOURCES)[0].request == request  # fail-open
+    assert resp == response_bytes(UPDATE_CONTAINER_RESOURCES, request)
+    [fc] = s.hooks.calls(UPDATE_CONTAINER_RESOURCES)
+    assert (fc.request, fc.forwarded, fc.code) == (request, None, "OK")
+    assert [m for m, _ in s.hooks.rewrites] == [CREATE_CONTAINER]  # the one under the cap, rewritten
+    assert s.echo.calls(CREATE_CONTAINER)[0].request == added(CREATE_CONTAINER, near)
+    assert resp_near == response_bytes(CREATE_CONTAINER, added(CREATE_CONTAINER, near))
+
+
+def test_many_concurrent_held_streams_and_the_relay_wide_budget(loop, base):
+    """Held bytes count against the connection window: the relay gives them back while holding
+    and takes the difference back from the server's updates; beyond the relay-wide budget new
+    holds fail open. Everything completes, the right bytes reach the runtime."""
+    s = Stack(base, hooks=Hooks(added), hold_total_bytes=5 * MiB)
+    creates = [request_for(CREATE_CONTAINER, str(i), size=MiB + i * 1000) for i in range(10)]
+
+    async def body():
+        await s.start()
+        try:
+            calls = [s.unary(CREATE_CONTAINER)(r, timeout=60) for r in creates]
+            calls += [s.unary(VERSION)(str(i).encode(), timeout=60) for i in range(50)]
+            return await asyncio.gather(*calls)
+        finally:
+            await s.stop()
+
+    results = run(loop, body(), timeout=120)
+    seen = {r.request for r in s.echo.calls(CREATE_CONTAINER)}
+    rewritten = {r for r in creates if added(CREATE_CONTAINER, r) in seen}
+    unchanged = {r for r in creates if r in seen}
+    assert rewritten | unchanged == set(creates) and len(seen) == 10
+    assert rewritten, "no held stream was rewritten"
+    for r, resp in zip(creates, results):
+        assert resp == response_bytes(CREATE_CONTAINER, added(CREATE_CONTAINER, r) if r in rewritten else r)
+    assert s.relay.held_total == 0
+
+
+def test_frames_split_across_reads_both_ways(loop, base):
+    rnd = random.Random(5)
+    s = Stack(base, hooks=Hooks(added), front_split=rnd, back_split=random.Random(6))
+
+    async def body():
+        await s.start()
+        try:
+            s.echo.behave(PULL_IMAGE, response_size=700 * 1024)  # large chunks, frames cut anywhere
+            out = []
+            for i in range(40):
+                method = rnd.choice([VERSION, CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, EXEC_SYNC, PULL_IMAGE])
+                req = request_for(method, str(i), size=rnd.choice([0, 10, 5000, 70000]))
+                out.append((method, req, await s.unary(method)(req, metadata=(("x-i", "v" * i * 50),), timeout=20)))
+            return out
+        finally:
+            await s.stop()
+
+    results = run(loop, body(), timeout=120)
+    for method, req, resp in results:
+        sent = added(method, req) if method in (CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES) else req
+        assert resp == response_bytes(method, sent, 0, 700 * 1024 if method == PULL_IMAGE else None)
+    assert PULL_IMAGE in {m for m, _, _ in results}
+    for fc in s.hooks.finished_calls:  # what the observers got is what the client got
+        [resp] = [r for m, q, r in results if m == fc.method and q == fc.request]
+        assert fc.responses == [resp]
+
+
+def test_response_size_limit_keeps_the_connection_usable(loop, base):
+    s = Stack(base, max_message_bytes=1 * MiB)
+
+    async def body():
+        await s.start()
+        try:
+            s.echo.behave(PULL_IMAGE, response_size=3 * MiB)
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await s.unary(PULL_IMAGE)(b"", timeout=10)
+                assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            return [await s.unary(VERSION)(str(i).encode(), timeout=10) for i in range(20)]
+        finally:
+            await s.stop()
+
+    assert run(loop, body()) == [response_bytes(VERSION, str(i).encode()) for i in range(20)]
+    assert [c.code for c in s.hooks.calls(PULL_IMAGE)] == ["RESOURCE_EXHAUSTED"] * 3
+
+
+# ------------------------------------------------------------------------------------ raw HTTP/2
+
+
+def _frame(ftype: int, flags: int, sid: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big") + payload
+
+
+def _read_stream(sock: socket.socket, sid: int, timeout: float = 10.0):
+    """Read frames until END_STREAM on ``sid``: (headers blocks decoded, data bytes)."""
+    sock.settimeout(timeout)
+    dec = hpack.Decoder()
+    buf = b""
+    headers, data = [], b""
+    while True:
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed"
+            buf += chunk
+        n = int.from_bytes(buf[:3], "big")
+        ftype, flags, fsid, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]
+        buf = buf[9 + n:]
+        if ftype == 1:
+            headers.append(dict(dec.decode(payload, raw=True)))
+        elif ftype == 0 and fsid == sid:
+            data += payload
+        elif ftype in (4, 6) and not flags & 1:  # SETTINGS, PING: acknowledge
+            try:
+                sock.sendall(_frame(ftype, 1, 0, payload if ftype == 6 else b""))
+            except BrokenPipeError:  # the relay already answered and closed
+                pass
+        if fsid == sid and flags & 1 and ftype in (0, 1):
+            return headers, data
+
+
+def _raw_request(method: str, message: bytes, *, pad_headers: bool, pad_data: bool) -> bytes:
+    """A connection preface and one call: HEADERS split over two CONTINUATION frames, the
+    message over three DATA frames; optionally padded."""
+    framed = b"\x00" + len(message).to_bytes(4, "big") + message
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", method), (":authority", "x"),
+                                    ("content-type", "application/grpc"), ("te", "trailers"),
+                                    ("grpc-timeout", "10S"), ("x-long", "y" * 500)], huffman=True)
+    third = len(block) // 3
+    if pad_headers:
+        first = _frame(1, 0x8, 1, b"\x05" + block[:third] + b"\x00" * 5)  # HEADERS, padded, no END_HEADERS
+    else:
+        first = _frame(1, 0, 1, block[:third])
+    cut = len(framed) // 3
+    pieces = [framed[:cut], framed[cut:2 * cut], framed[2 * cut:]]
+    data = b""
+    for i, piece in enumerate(pieces):
+        flags = 0x1 if i == 2 else 0
+        if pad_data:
+            data += _frame(0, flags | 0x8, 1, bytes((i + 1,)) + piece + b"\x00" * (i + 1))
+        else:
+            data += _frame(0, flags, 1, piece)
+    return (PREFACE + _frame(4, 0, 0, b"") + first
+            + _frame(9, 0, 1, block[third:2 * third])                    # CONTINUATION
+            + _frame(9, 0x4, 1, block[2 * third:])                       # CONTINUATION, END_HEADERS
+            + data)
+
+
+def _raw_call(path: str, raw: bytes):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        for i in range(0, len(raw), 777):  # in pieces, so frames arrive split
+            sock.sendall(raw[i:i + 777])
+            time.sleep(0.001)
+        return _read_stream(sock, 1)
+
+
+@pytest.mark.parametrize("method", [VERSION, CREATE_CONTAINER])
+def test_continuation_and_multi_frame_messages_from_a_raw_client(loop, base, method):
+    """Padding only where the relay re-frames (a held call): the grpc-core upstream here does
+    not take padded frames even directly (the relay forwards the others byte for byte)."""
+    s = Stack(base, hooks=Hooks(added))
+    message = request_for(method, size=40000)
+    raw = _raw_request(method, message, pad_headers=False, pad_data=method == CREATE_CONTAINER)
+
+    async def body():
+        await s.start()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, _raw_call, f"{base}/shim.sock", raw)
+        finally:
+            await s.stop()
+
+    headers, data = run(loop, body())
+    sent = added(method, message) if method == CREATE_CONTAINER else message
+    assert headers[-1][b"grpc-status"] == b"0", headers
+    assert data[5:] == response_bytes(method, sent)
+    assert s.echo.calls(method)[0].request == sent
+    [fc] = s.hooks.calls(method)
+    assert fc.request == message and fc.code == "OK"
+
+
+def test_padded_headers_and_data_are_parsed(loop, base):
+    """The relay's own parsing of padded HEADERS and DATA, seen through its UNAVAILABLE answer
+    (no runtime) and what finished() gets."""
+    hooks = Hooks()
+    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks)
+    message = request_for(EXEC_SYNC, size=30000)
+    raw = _raw_request(EXEC_SYNC, message, pad_headers=True, pad_data=True)
+
+    async def body():
+        await relay.start()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, _raw_call, f"{base}/shim.sock", raw)
+        finally:
+            await relay.stop(0)
+
+    headers, data = run(loop, body())
+    assert headers[-1][b"grpc-status"] == b"14" and data == b""
+    [fc] = hooks.finished_calls
+    assert (fc.method, fc.request, fc.code) == (EXEC_SYNC, message, "UNAVAILABLE")
+
+
+# ------------------------------------------------------------------------------------ failures
+
+
+def test_runtime_connection_lost_mid_call(loop, base):
+    s = Stack(base, taps=True)
+    s.echo.behave(EXEC_SYNC, delay=10)
+
+    async def body():
+        await s.start()
+        try:
+            call = s.unary(EXEC_SYNC)(request_for(EXEC_SYNC), timeout=20)
+            while not s.echo.calls(EXEC_SYNC):
+                await asyncio.sleep(0.01)
+            s.back.kill()  # the runtime's connection breaks
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            deadline = time.monotonic() + 10
+            while True:  # the kubelet's next calls go through a new connection
+                try:
+                    ok = await s.unary(VERSION)(b"", timeout=5)
+                    break
+                except grpc.aio.AioRpcError as e:  # sent before the client saw the old one close
+                    assert e.code() is grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            return info.value, ok
+        finally:
+            await s.stop()
+
+    err, ok = run(loop, body())
+    assert err.code() is grpc.StatusCode.UNAVAILABLE
+    assert ok == response_bytes(VERSION, b"")
+    [fc] = s.hooks.calls(EXEC_SYNC)
+    assert fc.code == "UNAVAILABLE" and fc.request == request_for(EXEC_SYNC)
+
+
+def test_runtime_down_answers_unavailable_with_the_request_observed(loop, base):
+    hooks = Hooks()
+    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks)
+
+    async def body():
+        await relay.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{base}/shim.sock") as ch:
+                errs = []
+                for i in range(3):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await ch.unary_unary(CREATE_CONTAINER)(request_for(CREATE_CONTAINER, str(i)), timeout=5)
+                    errs.append(info.value)
+                return errs
+        finally:
+            await relay.stop(0)
+
+    errs = run(loop, body())
+    assert {e.code() for e in errs} == {grpc.StatusCode.UNAVAILABLE}
+    assert "nobody.sock" in errs[0].details()
+    assert [c.request for c in hooks.calls(CREATE_CONTAINER)] == [request_for(CREATE_CONTAINER, str(i))
+                                                                  for i in range(3)]
+    assert hooks.rewrites == []  # nothing went upstream, nothing was rewritten
+
+
+# ------------------------------------------------------------------------------------ uvloop thread
+
+
+def test_threaded_relay_on_uvloop(loop, base):
+    uvloop = pytest.importorskip("uvloop")
+    from shim.transport.loop_thread import ThreadedProxy
+
+    echo = EchoUpstream(f"{base}/up.sock")
+    hooks = Hooks(added)
+    proxy = ThreadedProxy(RelayProxy(f"{base}/shim.sock", f"{base}/up.sock", hooks), uvloop.new_event_loop)
+
+    async def body():
+        await echo.start()
+        await proxy.start()
+        waiter = asyncio.ensure_future(proxy.wait_for_termination())
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{base}/shim.sock") as ch:
+                resp = await ch.unary_unary(CREATE_CONTAINER)(b"\n\x01x", timeout=5)
+                assert proxy.listen_path == f"{base}/shim.sock"
+        finally:
+            await proxy.stop(1)
+            await echo.stop()
+        await asyncio.wait_for(waiter, 5)
+        return resp
+
+    resp = run(loop, body())
+    assert resp == response_bytes(CREATE_CONTAINER, added(CREATE_CONTAINER, b"\n\x01x"))
+    assert [c.method for c in hooks.finished_calls] == [CREATE_CONTAINER]
+    assert not os.path.exists(f"{base}/shim.sock")
+
+
+# ------------------------------------------------------------------------------------ kubelet traces
+
+
+@pytest.mark.parametrize("name", ["kubelet-1.23-cgroupfs-memqos-off.jsonl", "kubelet-1.23-cgroupfs-memqos-on.jsonl",
+                                  "recorder-smoke.jsonl"])
+def test_kubelet_trace_replays_identically_through_both_transports(monkeypatch, name):
+    """`memqos-shim replay` drives the trace through the real request path; swapping the
+    transport under it must change nothing: no replay problem, the same audit records, the
+    same bytes at the runtime."""
+    path = os.path.join(TRACES, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not found")
+    import shim.transport.proxy as proxy_module
+    from shim.replay import replay, replay_settings
+    from shim.evidence.trace import read_trace
+
+    trace = read_trace(path)
+    settings = replay_settings(trace.header)
+    results = {}
+    for transport, cls in (("grpc", proxy_module.CriProxy), ("relay", RelayProxy)):
+        monkeypatch.setattr(proxy_module, "CriProxy", cls)
+        results[transport] = replay(trace, settings)
+    grpc_r, relay_r = results["grpc"], results["relay"]
+    assert grpc_r.problems == [] and relay_r.problems == []
+    assert relay_r.calls == grpc_r.calls == len(trace.calls)
+    assert relay_r.records == grpc_r.records
+    assert relay_r.forwarded == grpc_r.forwarded
+    assert relay_r.matched_by == grpc_r.matched_by
