@@ -200,7 +200,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("audit-log", "-", _optional_path, "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
     Option("page-size", None, _positive_int, "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
-    Option("transport", "grpc", _transport,
+    Option("transport", "relay", _transport,
            "how calls are relayed: relay (an HTTP/2 connection relay that decodes headers and holds only "
            "CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a grpcio server and "
            "channel per call; about +0.6 ms)"),
