@@ -212,6 +212,41 @@ class Processes:
                     raise RuntimeError(f"shim ({t}) did not start: {(self.dir / f'shim-{t}.log').read_text()}")
                 time.sleep(0.02)
 
+    def defaults_rss(self, transport: str) -> float:
+        """RSS of a `serve` with every default (reconciler and monitor on) 2 s after its first
+        call: what the measured shims leave out (they run the transport path alone)."""
+        sock = self.dir / f"defaults-{transport}.sock"
+        cmd = [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{sock}",
+               "--upstream", f"unix://{self.upstream_sock}", "--kubelet-config", "none",
+               "--cgroup-root", str(self.dir / "cgroup"), "--meminfo", str(self.dir / "meminfo"),
+               "--audit-log", str(self.dir / f"audit-defaults-{transport}.jsonl"), "--log-level", "warning"]
+        if _has_transport_option():
+            cmd += ["--transport", transport]
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        proc = subprocess.Popen(cmd, stdout=open(self.dir / f"defaults-{transport}.log", "w"),
+                                stderr=subprocess.STDOUT, env=env)
+        try:
+            import grpc
+
+            deadline = time.monotonic() + 30
+            while not sock.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"serve with defaults did not start: "
+                                       f"{(self.dir / f'defaults-{transport}.log').read_text()}")
+                time.sleep(0.02)
+            with grpc.insecure_channel(f"unix://{sock}") as ch:
+                ch.unary_unary(VERSION)(b"", timeout=10)
+            time.sleep(2.0)
+            return proc_rss_mib(proc.pid)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
     def targets(self) -> dict[str, str]:
         out = {"direct": f"unix://{self.upstream_sock}"}
         out.update({t: f"unix://{s}" for t, s in self.socks.items()})
@@ -641,8 +676,11 @@ def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callab
         m["direct"]["create_request_bytes"] = float(size)
         m["direct"]["hook_rewrite_us"] = hook_cost(template, sizes.creates)
 
+        time.sleep(1.5)
         for t, pid in shims.items():
             m[t]["rss_end_mib"] = proc_rss_mib(pid)
+        for t in shims:
+            m[t]["rss_defaults_mib"] = procs.defaults_rss(t)
             if procs.shims[t].poll() is not None:
                 raise RuntimeError(f"shim ({t}) died during the run")
         return derive(m)
@@ -718,7 +756,8 @@ ROWS = [
     ("shim RSS idle", "rss_idle_mib", "MiB", None),
     ("shim RSS after the load calls", "rss_100k_mib", "MiB", None),
     ("shim RSS growth over the last 80% of them", "rss_growth_mib", "MiB", None),
-    ("shim RSS at the end (after 16 MiB replies)", "rss_end_mib", "MiB", None),
+    ("serve RSS idle with every default (reconciler, monitor)", "rss_defaults_mib", "MiB", None),
+    ("shim RSS at the end (16 MiB replies, creates, 1.5 s idle)", "rss_end_mib", "MiB", None),
     ("110-pod kubelet load: call p50", "replay_p50_us", "µs", True),
     ("110-pod kubelet load: shim CPU", "replay_cpu_pct", "% of a core", None),
 ]

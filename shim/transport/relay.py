@@ -79,6 +79,7 @@ HOLD_MAX_BYTES = 16 * 1024 * 1024
 HOLD_TOTAL_BYTES = 64 * 1024 * 1024
 UPSTREAM_CONNECT_TIMEOUT = 10.0
 READ_PAUSE_BYTES = 4 * 1024 * 1024  # client bytes buffered while the upstream connects
+TRIM_AFTER_BYTES = 4 * 1024 * 1024  # after a call this large, give freed heap memory back (trim_heap)
 EARLY_WRITE_BYTES = 32 * 1024  # a server chunk this large gets its leading DATA written before it is observed
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -109,6 +110,24 @@ HTTP_STATUS = {b"400": "INTERNAL", b"401": "UNAUTHENTICATED", b"403": "PERMISSIO
                b"404": "UNIMPLEMENTED", b"429": "UNAVAILABLE", b"502": "UNAVAILABLE",
                b"503": "UNAVAILABLE", b"504": "UNAVAILABLE"}
 TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc ``malloc_trim``): start-up and
+    large messages leave freed memory that glibc would otherwise keep."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
@@ -580,6 +599,8 @@ class _Connection:
         self.relay.finished(FinishedCall(
             call.method, call.start, (time.perf_counter() - call.t0) * 1000.0, request, call.forwarded,
             responses, code, details, call.resp.truncated and code == "OK"))
+        if call.resp.kept + call.req.kept + len(request) > TRIM_AFTER_BYTES:
+            self.relay.trim_soon()
 
     def _ended_code(self, call: _Call) -> str:
         """A call the client reset: its deadline, or the client cancelled (as CriProxy)."""
@@ -1425,6 +1446,7 @@ class RelayProxy:
         self.connections: set[_Connection] = set()
         self.held_total = 0
         self.stopping = False
+        self._trim_pending = False
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None
         self._terminated: asyncio.Event | None = None
@@ -1457,6 +1479,16 @@ class RelayProxy:
         except Exception:
             self._finished_failed(call.method)
 
+    def trim_soon(self) -> None:
+        """trim_heap() a second from now (once for a burst of large calls)."""
+        if not self._trim_pending:
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(1.0, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_pending = False
+        trim_heap()
+
     def hold_skipped(self, method: str, size: int, why: str = "") -> None:
         self._skipped(method, why or f"a {size}-byte message is above the hold cap ({self.hold_max_bytes} "
                                      f"bytes each, {self.hold_total_bytes} bytes at once)")
@@ -1480,6 +1512,7 @@ class RelayProxy:
             self._socket_id = None
             raise
         self._terminated = asyncio.Event()
+        trim_heap()
         log.info("CRI relay serving on %s (mode %#o%s), upstream unix://%s, event loop %s",
                  self.listen_path, self.socket_mode, "" if gid is None else f", group {gid}",
                  self.upstream_path, type(loop).__module__)
