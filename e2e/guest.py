@@ -746,6 +746,7 @@ class Scenario:
                 self.model.add_container(req, resp)
         self.wait_containers()
         self.check_all("created")
+        self.doctor()
 
         # 2. updated: raise one Burstable container's limit, then check every value again
         pod, c = self.find("qos-burstable-limit", "main")
@@ -798,6 +799,31 @@ class Scenario:
         # 5. reset: the shim stopped, `memqos-shim reset` puts pod/QoS/node memory.min back to 0
         self.reset()
         rep.timing(f"{name}:total", time.time() - t_all)
+
+    def doctor(self) -> None:
+        """`memqos-shim doctor` on a real cgroup v2 node with the shim and containerd running:
+        its verdicts for this node go in the report, its output in logs/<scenario>-doctor.txt."""
+        r = self.shim.run_cli("doctor", *self.shim.args, timeout=300)
+        path = os.path.join(self.logs, f"{self.name}-doctor.txt")
+        with open(path, "w") as f:
+            f.write(r.stdout + r.stderr + f"\nexit code {r.returncode}\n")
+        verdicts = {}
+        for line in r.stdout.splitlines():
+            parts = line.split(None, 1)
+            if len(parts) == 2 and parts[0] in ("PASS", "WARN", "FAIL"):
+                check = parts[1][:18].strip()
+                verdicts[check] = parts[0]
+        self.report.data.setdefault("doctor", {})[self.name] = {"exit_code": r.returncode, "verdicts": verdicts}
+        for check in ("cgroup v2", "memory controller", "kernel", "upstream", "shim socket", "audit log"):
+            self.report.check(self.name, "doctor", f"memqos-shim doctor: {check}", path, "PASS",
+                              verdicts.get(check, "missing"), why="a cgroup v2 node with containerd and the shim running")
+        gate = bool((self.trace.header["node"]["kubelet_config"].get("featureGates") or {}).get("MemoryQoS"))
+        self.report.check(self.name, "doctor", "memqos-shim doctor: MemoryQoS gate", path, "WARN" if gate else "PASS",
+                          verdicts.get("MemoryQoS gate", "missing"),
+                          why=f"the trace's kubelet ran with the MemoryQoS gate {'on: it would fight the shim' if gate else 'off'}")
+        self.report.check(self.name, "doctor", "memqos-shim doctor exit code", path, "0", str(r.returncode),
+                          why="no FAIL verdict on this node")
+        log(f"{self.name}: doctor exit {r.returncode}: " + ", ".join(f"{k} {v}" for k, v in verdicts.items()))
 
     def _recorded_id(self, new_id: str) -> str:
         for old, new in self.replayer.idmap.items():
