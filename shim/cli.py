@@ -191,7 +191,11 @@ def kep_tables() -> str:
 
 # -- wiring --------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memqos-shim", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="memqos-shim",
+        description="A CRI proxy between the kubelet and containerd/CRI-O that gives containers, pods "
+                    "and the node memory QoS (memory.min / memory.high) on cgroup v2.",
+        epilog="Run `memqos-shim COMMAND --help` for a command's options. Docs: README.md.")
     p.add_argument("--version", action="version", version=f"memqos-shim {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
