@@ -519,6 +519,72 @@ def test_runtime_down_answers_unavailable_with_the_request_observed(loop, base):
     assert hooks.rewrites == []  # nothing went upstream, nothing was rewritten
 
 
+def _frames_until_closed(sock: socket.socket, timeout: float) -> list[tuple[int, int, bytes]]:
+    """(type, flags, payload) of every frame until the peer closes, answering SETTINGS."""
+    sock.settimeout(timeout)
+    buf, out = b"", []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            raise AssertionError(f"still open after {timeout} s; frames so far {out}") from None
+        if not chunk:
+            return out
+        buf += chunk
+        while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+            n = int.from_bytes(buf[:3], "big")
+            out.append((buf[3], buf[4], buf[9:9 + n]))
+            if buf[3] == 4 and not buf[4] & 1:
+                sock.sendall(_frame(4, 1, 0, b""))
+            buf = buf[9 + n:]
+
+
+def test_idle_refused_connection_is_closed(loop, base, monkeypatch):
+    """Regression (found with the grpc-go client, tests/test_grpc_go_client.py): grpc-go
+    reconnects as soon as a connection closes, so after the runtime went away the kubelet's
+    quieter connection (ImageService) sat refused and idle, and its first call after the runtime
+    was back still got "cannot reach the runtime". A refused connection without a call now
+    gets GOAWAY and is closed after REFUSED_IDLE_CLOSE; one with a call in progress is not."""
+    import shim.transport.relay as relay_module
+
+    monkeypatch.setattr(relay_module, "REFUSED_IDLE_CLOSE", 0.3)
+    hooks = Hooks()
+    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks)
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", VERSION),
+                                    (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+
+    def clients():
+        with socket.socket(socket.AF_UNIX) as idle, socket.socket(socket.AF_UNIX) as busy:
+            idle.connect(f"{base}/shim.sock")
+            idle.sendall(PREFACE + _frame(4, 0, 0, b""))
+            busy.connect(f"{base}/shim.sock")
+            busy.sendall(PREFACE + _frame(4, 0, 0, b"") + _frame(1, 0x4, 1, block))  # no END_STREAM yet
+            t0 = time.monotonic()
+            idle_frames = _frames_until_closed(idle, 5)
+            idle_after = time.monotonic() - t0
+            time.sleep(0.5)
+            busy.sendall(_frame(0, 0x1, 1, b"\x00" * 5))  # the call's (empty) message
+            busy_frames = _frames_until_closed(busy, 5)
+            return idle_frames, idle_after, busy_frames
+
+    async def body():
+        await relay.start()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, clients)
+        finally:
+            await relay.stop(0)
+
+    idle_frames, idle_after, busy_frames = run(loop, body())
+    assert [f[0] for f in idle_frames] == [4, 4, 7]  # SETTINGS, its ACK, GOAWAY
+    assert idle_frames[-1][2] == bytes(8)  # last stream 0, NO_ERROR
+    assert 0.25 < idle_after < 3
+    headers = [hpack.Decoder().decode(f[2], raw=True) for f in busy_frames if f[0] == 1]
+    assert (b"grpc-status", b"14") in headers[-1]  # the call was answered, not cut by the timer
+    assert busy_frames[-1][0] == 7
+    [fc] = hooks.finished_calls
+    assert (fc.method, fc.code) == (VERSION, "UNAVAILABLE")
+
+
 # ------------------------------------------------------------------------------------ uvloop thread
 
 

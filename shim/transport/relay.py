@@ -31,7 +31,10 @@ relay does on top of forwarding:
   reply) ends the call with RESOURCE_EXHAUSTED for the kubelet and RST_STREAM upstream.
 * When the runtime cannot be reached, the relay answers the connection's calls itself with
   UNAVAILABLE (a minimal HTTP/2 server side), then sends GOAWAY and closes it, so the kubelet's
-  next call opens a new connection and tries the runtime again.
+  next call opens a new connection and tries the runtime again. A refused connection that gets
+  no call is closed the same way after ``REFUSED_IDLE_CLOSE`` seconds: grpc-go (the kubelet)
+  reconnects at once when a connection closes, so an idle refused one would otherwise still
+  refuse its first call long after the runtime is back (grpc-core clients reconnect lazily).
 
 Flow control. The relay only touches the client-to-server direction's windows, and only
 because of held streams. It tracks the server's connection window (``s_conn``: what the relay
@@ -78,6 +81,7 @@ HOLD_MAX_BYTES = 16 * 1024 * 1024
 # All streams held at once, over every connection; beyond it new holds fail open.
 HOLD_TOTAL_BYTES = 64 * 1024 * 1024
 UPSTREAM_CONNECT_TIMEOUT = 10.0
+REFUSED_IDLE_CLOSE = 1.0  # seconds a refused connection may stay open without a call
 READ_PAUSE_BYTES = 4 * 1024 * 1024  # client bytes buffered while the upstream connects
 TRIM_AFTER_BYTES = 4 * 1024 * 1024  # after a call this large, give freed heap memory back (trim_heap)
 EARLY_WRITE_BYTES = 32 * 1024  # a server chunk this large gets its leading DATA written before it is observed
@@ -475,9 +479,22 @@ class _Connection:
             if self.paused_client:
                 self.paused_client = False
                 self.client.resume_reading()
+            if self.mode == "refuse":
+                loop.call_later(REFUSED_IDLE_CLOSE, self._refused_idle)
             return
         if self.mode == "closed":
             transport.close()
+
+    def _refused_idle(self) -> None:
+        """A refused connection with no call: GOAWAY and close it, so that the client's new
+        connection tries the runtime again (a call in progress is answered and closes it then)."""
+        if self.mode != "refuse":
+            return
+        if self.streams:
+            asyncio.get_running_loop().call_later(REFUSED_IDLE_CLOSE, self._refused_idle)
+            return
+        self.client.write(_frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
+        self._close("UNAVAILABLE", self.refused_details)
 
     def upstream_made(self, transport) -> None:
         """The upstream connection exists (before any of its data is delivered)."""
