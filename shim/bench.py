@@ -857,14 +857,17 @@ def main(argv: list[str] | None = None) -> int:
     compileall.compile_dir(str(REPO / "shim"), quiet=1)  # bytecode, as `pip install` leaves it
     runs = []
     t_start = time.time()
+    load = [os.getloadavg()[0]]
     for r in range(sizes.runs):
         log(f"run {r + 1}/{sizes.runs}")
         runs.append(one_run(transports, sizes, trace, log))
+        load.append(os.getloadavg()[0])
     result = {
         "command": "scripts/bench " + " ".join(argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "duration_s": round(time.time() - t_start, 1),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
+                    "loadavg_1min_before_and_after_each_run": [round(x, 2) for x in load]},
         "sizes": vars(sizes),
         "targets": {k: {"kind": v[0], "limit": v[1]} for k, v in TARGETS.items()},
         "runs": runs,
@@ -875,7 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"memqos-shim bench: {sizes.runs} run(s), medians; added = via shim − direct, same run "
           f"(calls alternate between targets); {sizes.load_calls} load calls; "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, 1-min load average "
+          f"{' → '.join(f'{x:.1f}' for x in load)} (other work on the machine adds noise)")
     print(table(result))
     print(f"JSON: {out}")
     return 0

@@ -193,6 +193,21 @@ def _header_unit(data: bytes, pos: int, end: int, n: int) -> tuple[bytes, int] |
         p = q
 
 
+def _joined(buf: bytearray, data: bytes, preface_left: int, stream_data: bool = False) -> bytes | None:
+    """``buf`` + ``data`` as bytes, or None while the frame at the start of ``buf`` is still
+    incomplete (``data`` is then kept in ``buf``). With ``stream_data``, an unpadded DATA frame
+    counts as soon as its header is there (the caller forwards it piece by piece)."""
+    buf += data
+    if not preface_left:
+        n = len(buf)
+        if n < 9:
+            return None
+        if n < 9 + ((buf[0] << 16) | (buf[1] << 8) | buf[2]):
+            if not (stream_data and buf[3] == DATA and not buf[4] & PADDED):
+                return None
+    return bytes(buf)
+
+
 def _timeout_seconds(value: bytes) -> float | None:
     if len(value) < 2 or not value[:-1].isdigit():
         return None
@@ -416,8 +431,10 @@ class _Connection:
         self.mode = "connecting"  # -> "relay" | "refuse" | "closed"
         self.early: list[bytes] = []
         self.early_bytes = 0
-        self.cbuf = b""
-        self.sbuf = b""
+        # the unprocessed tail of each direction (an incomplete frame); it grows in place until
+        # the frame is whole, so a large frame arriving in many reads is copied once, not per read
+        self.cbuf = bytearray()
+        self.sbuf = bytearray()
         self.preface_left = len(PREFACE)
         self.streams: dict[int, _Call] = {}
         self.last_client_sid = 0
@@ -684,8 +701,10 @@ class _Connection:
         upstream as it is -- the common case -- write it first and do the bookkeeping after, so
         the runtime starts on the call while the relay observes it; else rebuild it."""
         if self.cbuf:
-            data = self.cbuf + data
-            self.cbuf = b""
+            data = _joined(self.cbuf, data, self.preface_left)
+            if data is None:
+                return
+            self.cbuf = bytearray()
         n = len(data)
         pos = 0
         if self.preface_left:
@@ -742,7 +761,7 @@ class _Connection:
             frames.append((ftype, flags, sid, pos, end))
             pos = end
         if pos < n:
-            self.cbuf = data[pos:]
+            self.cbuf = bytearray(memoryview(data)[pos:])
         if verbatim and need <= self.s_conn:
             if pos:
                 self.upstream.write(data if pos == n else memoryview(data)[:pos])
@@ -1056,8 +1075,10 @@ class _Connection:
         fully arrived is forwarded as far as it has (it cannot be changed any more), and a large
         chunk's leading DATA goes out before the relay copies it for the observers."""
         if self.sbuf:
-            data = self.sbuf + data
-            self.sbuf = b""
+            data = _joined(self.sbuf, data, 0, stream_data=True)
+            if data is None:
+                return
+            self.sbuf = bytearray()
         n = len(data)
         pos = 0
         out_start = 0
@@ -1219,7 +1240,7 @@ class _Connection:
                 pending.append(memoryview(data)[out_start:pos])
             self._write_client(pending)
         if pos < n:
-            self.sbuf = data[pos:]
+            self.sbuf = bytearray(memoryview(data)[pos:])
         self._after()
 
     def _flush_upstream(self, out: list[bytes]) -> None:
@@ -1349,8 +1370,8 @@ class _Connection:
     def _refuse(self, data: bytes) -> None:
         """The runtime is unreachable: answer every call UNAVAILABLE, then GOAWAY and close."""
         if self.cbuf:
-            data = self.cbuf + data
-            self.cbuf = b""
+            data = bytes(self.cbuf + data)
+            self.cbuf = bytearray()
         n = len(data)
         pos = self._preface(data) if self.preface_left else 0
         out: list[bytes] = []
@@ -1411,7 +1432,7 @@ class _Connection:
                     self._finish(call, self._ended_code(call), "")
             pos = end
         if pos < n:
-            self.cbuf = data[pos:]
+            self.cbuf = bytearray(memoryview(data)[pos:])
         if self.answered and not self.streams:
             out.append(_frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
             self.client.write(b"".join(out))
