@@ -205,14 +205,20 @@ def test_passthrough_is_byte_identical_both_ways(loop, base):
             await s.unary("/runtime.v1.RuntimeService/UpdateRuntimeConfig")(big, timeout=20)
             msgs = [m async for m in s.channel.unary_stream(EVENTS)(b"", timeout=5)]
             assert len(msgs) == 3
-            await asyncio.sleep(0.2)
+            # compared before the channel closes (its goodbye may still be in flight at stop),
+            # once what is in flight between the taps has arrived
+            deadline = time.monotonic() + 5
+            while (len(s.front.c2s), len(s.front.s2c)) != (len(s.back.c2s), len(s.back.s2c)):
+                assert time.monotonic() < deadline, "the relay holds bytes back"
+                await asyncio.sleep(0.01)
+            return bytes(s.front.c2s), bytes(s.back.c2s), bytes(s.front.s2c), bytes(s.back.s2c)
         finally:
             await s.stop()
 
-    run(loop, body())
-    assert len(s.front.c2s) > 10 * MiB // 2
-    assert bytes(s.front.c2s) == bytes(s.back.c2s)
-    assert bytes(s.front.s2c) == bytes(s.back.s2c)
+    front_c2s, back_c2s, front_s2c, back_s2c = run(loop, body())
+    assert len(front_c2s) > 10 * MiB // 2
+    assert front_c2s == back_c2s
+    assert front_s2c == back_s2c
 
 
 # ------------------------------------------------------------------------------------ rewrites
