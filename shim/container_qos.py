@@ -131,6 +131,10 @@ class ContainerMemoryQoS:
             self._pending.setdefault(request, []).append((record, memo))
         return forwarded
 
+    def not_rewritten(self, method: str, reason: str) -> None:
+        """The transport forwarded a rewritable call without asking rewrite(): audit the fail-open."""
+        self._emit({"event": "fail-open", "method": method.rsplit("/", 1)[-1], "error": reason[:500]})
+
     def finished(self, call: FinishedCall) -> None:
         method = call.method
         if method == CREATE_CONTAINER or method == UPDATE_CONTAINER_RESOURCES:

@@ -24,6 +24,11 @@ class HookChain:
     def rewrite(self, method: str, request: bytes) -> bytes:
         return self.rewriter.rewrite(method, request)
 
+    def not_rewritten(self, method: str, reason: str) -> None:
+        tell = getattr(self.rewriter, "not_rewritten", None)
+        if tell is not None:
+            tell(method, reason)
+
     def finished(self, call: FinishedCall) -> None:
         self.rewriter.finished(call)
         for observer in self.observers:

@@ -125,3 +125,11 @@ def test_created_container_carries_the_request_for_restart_recovery():
     out.config.linux.resources.unified.clear()
     req.config.linux.resources.unified.clear()
     assert out == req
+
+
+def test_transport_fail_open_is_audited():
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks.not_rewritten(CREATE_CONTAINER, "transport: a 20971520-byte message is above the hold cap")
+    assert records == [{"event": "fail-open", "method": "CreateContainer",
+                        "error": "transport: a 20971520-byte message is above the hold cap"}]

@@ -54,6 +54,10 @@ class Hooks:
         self.rewrite_fn = rewrite
         self.rewrites: list[tuple[str, bytes]] = []
         self.finished_calls: list[FinishedCall] = []
+        self.not_rewritten_calls: list[tuple[str, str]] = []
+
+    def not_rewritten(self, method: str, reason: str) -> None:
+        self.not_rewritten_calls.append((method, reason))
 
     def rewrite(self, method: str, request: bytes) -> bytes:
         self.rewrites.append((method, request))
@@ -273,6 +277,8 @@ def test_request_above_the_hold_cap_is_forwarded_unchanged(loop, base):
     [fc] = s.hooks.calls(UPDATE_CONTAINER_RESOURCES)
     assert (fc.request, fc.forwarded, fc.code) == (request, None, "OK")
     assert [m for m, _ in s.hooks.rewrites] == [CREATE_CONTAINER]  # the one under the cap, rewritten
+    [(method, reason)] = s.hooks.not_rewritten_calls  # the fail-open is reported, to be audited
+    assert method == UPDATE_CONTAINER_RESOURCES and "hold cap" in reason
     assert s.echo.calls(CREATE_CONTAINER)[0].request == added(CREATE_CONTAINER, near)
     assert resp_near == response_bytes(CREATE_CONTAINER, added(CREATE_CONTAINER, near))
 

@@ -11,6 +11,9 @@ bytes and calls two hooks:
   the answer goes back to the kubelet. Must not block (enqueue, dict update).
   Consumers: the audit/record writer, the reconciler's node state, the memory
   of containers that UpdateContainerResources needs.
+* ``not_rewritten(method, reason)`` -- optional: a transport that could not hand a
+  rewritable call to ``rewrite`` (e.g. the relay's hold cap, a compressed message)
+  says so, so that the fail-open is audited like any other. Must not block.
 """
 from __future__ import annotations
 
@@ -51,4 +54,7 @@ class PassthroughHooks:
         return request
 
     def finished(self, call: FinishedCall) -> None:
+        return None
+
+    def not_rewritten(self, method: str, reason: str) -> None:
         return None

@@ -1528,8 +1528,15 @@ class RelayProxy:
         trim_heap()
 
     def hold_skipped(self, method: str, size: int, why: str = "") -> None:
-        self._skipped(method, why or f"a {size}-byte message is above the hold cap ({self.hold_max_bytes} "
-                                     f"bytes each, {self.hold_total_bytes} bytes at once)")
+        reason = why or (f"a {size}-byte message is above the hold cap ({self.hold_max_bytes} "
+                         f"bytes each, {self.hold_total_bytes} bytes at once)")
+        self._skipped(method, reason)
+        tell = getattr(self.hooks, "not_rewritten", None)
+        if tell is not None:
+            try:
+                tell(method, f"transport: {reason}")
+            except Exception:
+                self._finished_failed(method)
 
     def upstream_down(self, details: str) -> None:
         self._down("a new kubelet connection", details)
