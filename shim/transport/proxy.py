@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import grp
 import logging
 import os
-import socket
-import stat
 import tempfile
 import time
 from typing import Any, Callable, Iterable
@@ -33,6 +30,13 @@ import grpc
 from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, grpc_target, socket_path
 from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall
 from shim.transport.methods import CRI_METHODS
+from shim.transport.unixsock import (
+    ThrottledLog,
+    check_replaceable,
+    check_socket_mode,
+    remove_if_ours,
+    resolve_gid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,51 +109,6 @@ def _response_metadata(metadata: Iterable[tuple[str, Any]] | None) -> tuple:
     )
 
 
-class _ThrottledErrorLog:
-    """Log a hook failure (with its traceback) at most once per interval, counting the rest."""
-
-    def __init__(self, what: str, interval: float = 10.0) -> None:
-        self._what = what
-        self._interval = interval
-        self._next = 0.0
-        self._suppressed = 0
-
-    def __call__(self, method: str, problem: str | None = None) -> None:
-        """Call from an except block (logs the traceback), or pass ``problem``."""
-        now = time.monotonic()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        suppressed, self._suppressed = self._suppressed, 0
-        self._next = now + self._interval
-        log.error(
-            "%s hook failed for %s%s; the call goes on unaffected%s",
-            self._what,
-            method,
-            f": {problem}" if problem else "",
-            f" ({suppressed} more such failures in the last {self._interval:.0f} s)" if suppressed else "",
-            exc_info=problem is None,
-        )
-
-
-def _resolve_gid(group: str | int) -> int:
-    if isinstance(group, bool):
-        raise ValueError(f"socket_group must be a group name or gid, not {group!r}")
-    if isinstance(group, int):
-        if group < 0:
-            raise ValueError(f"socket_group: invalid gid {group}")
-        return group
-    if isinstance(group, str) and group.strip():
-        name = group.strip()
-        if name.isdigit():
-            return int(name)
-        try:
-            return grp.getgrnam(name).gr_gid
-        except KeyError:
-            raise ValueError(f"socket_group: no such group {name!r}") from None
-    raise ValueError(f"socket_group must be a group name or gid, not {group!r}")
-
-
 class CriProxy:
     """Serve the CRI on ``listen`` and relay every call to ``upstream``.
 
@@ -172,20 +131,7 @@ class CriProxy:
         self.upstream_target = grpc_target(upstream)
         if self.listen_path == socket_path(upstream):
             raise ValueError(f"listen and upstream are the same socket: {self.listen_path}")
-        if not isinstance(socket_mode, int) or socket_mode & ~0o777:
-            raise ValueError(f"socket_mode must be permission bits (0o000-0o777), not {socket_mode!r}")
-        if socket_mode & 0o007:
-            raise ValueError(
-                f"socket_mode {socket_mode:#o} gives other users access to the CRI socket; "
-                "use a group (socket_group) instead"
-            )
-        if socket_group is None:
-            if socket_mode & 0o070:
-                raise ValueError(
-                    f"socket_mode {socket_mode:#o} grants group access but no socket_group is set"
-                )
-        elif socket_mode == 0o600:
-            socket_mode = 0o660
+        socket_mode = check_socket_mode(socket_mode, socket_group)
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
@@ -199,15 +145,15 @@ class CriProxy:
         self._channel: grpc.aio.Channel | None = None
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
         self._stopped = False
-        self._rewrite_failed = _ThrottledErrorLog("rewrite")
-        self._finished_failed = _ThrottledErrorLog("finished")
+        self._rewrite_failed = ThrottledLog("rewrite hook failed")
+        self._finished_failed = ThrottledLog("finished hook failed")
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         if self._server is not None:
             raise RuntimeError("CriProxy.start() called twice")
-        gid = None if self.socket_group is None else _resolve_gid(self.socket_group)
+        gid = None if self.socket_group is None else resolve_gid(self.socket_group)
         size_options = (
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
@@ -271,7 +217,7 @@ class CriProxy:
         path = self.listen_path
         parent = os.path.dirname(path)
         os.makedirs(parent, mode=0o755, exist_ok=True)
-        self._check_replaceable(path)
+        check_replaceable(path)
         tmpdir = tempfile.mkdtemp(prefix=".shim-", dir=parent)  # mode 0700
         tmp_sock = os.path.join(tmpdir, "s")
         try:
@@ -286,7 +232,7 @@ class CriProxy:
             os.chmod(tmp_sock, self.socket_mode)
             if gid is not None:
                 os.chown(tmp_sock, -1, gid)
-            self._check_replaceable(path)
+            check_replaceable(path)
             os.rename(tmp_sock, path)
             st = os.lstat(path)
             self._socket_id = (st.st_dev, st.st_ino)
@@ -297,51 +243,8 @@ class CriProxy:
                 pass
             os.rmdir(tmpdir)
 
-    @staticmethod
-    def _check_replaceable(path: str) -> None:
-        """Nothing at path, or a stale socket. Refuse anything else."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(
-                f"{path} exists and is not a socket; refusing to replace it (remove it "
-                "yourself if it is really meant to be the CRI socket)"
-            )
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            return  # stale: nobody listens
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            raise OSError(
-                f"{path}: cannot tell whether another process serves on this socket ({e}); "
-                "refusing to replace it"
-            ) from e
-        finally:
-            probe.close()
-        raise OSError(
-            f"{path}: another process is serving on this socket; refusing to replace it "
-            "(is another memqos-shim running?)"
-        )
-
     def _remove_socket(self) -> None:
-        if self._socket_id is None:
-            return
-        try:
-            st = os.lstat(self.listen_path)
-            if (st.st_dev, st.st_ino) == self._socket_id:
-                os.unlink(self.listen_path)
-            else:
-                log.warning("%s was replaced by someone else; leaving it", self.listen_path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            log.exception("could not remove %s", self.listen_path)
+        remove_if_ours(self.listen_path, self._socket_id)
         self._socket_id = None
 
     # ----------------------------------------------------------------- relays
