@@ -18,7 +18,7 @@ bytes and calls two hooks:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 CREATE_CONTAINER = "/runtime.v1.RuntimeService/CreateContainer"
 UPDATE_CONTAINER_RESOURCES = "/runtime.v1.RuntimeService/UpdateContainerResources"
@@ -58,3 +58,30 @@ class PassthroughHooks:
 
     def not_rewritten(self, method: str, reason: str) -> None:
         return None
+
+
+# -- how a transport calls the hooks: failures never reach the call ------------------
+OnHookError = Callable[..., None]  # (method) inside an except block, or (method, problem)
+
+
+def guarded_rewrite(hooks: CallHooks, method: str, request: bytes, on_error: OnHookError) -> bytes:
+    """What goes upstream: the hook's bytes, or the original ones if the hook raises or
+    answers something that is not bytes (fail open)."""
+    try:
+        out = hooks.rewrite(method, request)
+    except Exception:
+        on_error(method)
+        return request
+    if type(out) is bytes:
+        return out
+    if isinstance(out, (bytearray, memoryview)):
+        return bytes(out)
+    on_error(method, f"returned {type(out).__name__}, not bytes; forwarding the original")
+    return request
+
+
+def guarded_finished(hooks: CallHooks, call: FinishedCall, on_error: OnHookError) -> None:
+    try:
+        hooks.finished(call)
+    except Exception:
+        on_error(call.method)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, grpc_target, socket_path
-from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall
+from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall, guarded_finished, guarded_rewrite
 from shim.transport.methods import CRI_METHODS
 from shim.transport.unixsock import (
     ThrottledLog,
@@ -262,23 +262,10 @@ class CriProxy:
 
     def _rewritten(self, method: str, request: bytes) -> bytes:
         """What goes upstream: the hook's bytes, or the original ones if the hook fails."""
-        try:
-            out = self.hooks.rewrite(method, request)
-        except Exception:
-            self._rewrite_failed(method)
-            return request
-        if type(out) is bytes:
-            return out
-        if isinstance(out, (bytearray, memoryview)):
-            return bytes(out)
-        self._rewrite_failed(method, f"returned {type(out).__name__}, not bytes; forwarding the original")
-        return request
+        return guarded_rewrite(self.hooks, method, request, self._rewrite_failed)
 
     def _finished(self, call: FinishedCall) -> None:
-        try:
-            self.hooks.finished(call)
-        except Exception:
-            self._finished_failed(call.method)
+        guarded_finished(self.hooks, call, self._finished_failed)
 
     @staticmethod
     def _ended_code(context: grpc.aio.ServicerContext, timeout: float | None) -> str:

@@ -58,7 +58,7 @@ import zlib
 from collections import deque
 
 from shim.transport.endpoints import socket_path
-from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall
+from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall, guarded_finished, guarded_rewrite
 from shim.transport.hpack_lite import CONTENT_TYPE_GRPC, STATUS_200, Decoder, HpackError, literal
 from shim.transport.methods import CRI_METHODS_BY_PATH
 from shim.transport.unixsock import (
@@ -1499,23 +1499,10 @@ class RelayProxy:
 
     def rewritten(self, method: str, request: bytes) -> bytes:
         """What goes upstream: the hook's bytes, or the original ones if the hook fails."""
-        try:
-            out = self.hooks.rewrite(method, request)
-        except Exception:
-            self._rewrite_failed(method)
-            return request
-        if type(out) is bytes:
-            return out
-        if isinstance(out, (bytearray, memoryview)):
-            return bytes(out)
-        self._rewrite_failed(method, f"returned {type(out).__name__}, not bytes; forwarding the original")
-        return request
+        return guarded_rewrite(self.hooks, method, request, self._rewrite_failed)
 
     def finished(self, call: FinishedCall) -> None:
-        try:
-            self.hooks.finished(call)
-        except Exception:
-            self._finished_failed(call.method)
+        guarded_finished(self.hooks, call, self._finished_failed)
 
     def trim_soon(self) -> None:
         """trim_heap() a second from now (once for a burst of large calls)."""
