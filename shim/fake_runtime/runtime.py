@@ -120,6 +120,15 @@ def _truncindex_get(ids: Iterable[str], key: str) -> str:
 # --------------------------------------------------------------------------- images
 
 
+def _filter_id(ids: Iterable[str], key: str) -> str:
+    """A list filter's id: the full id it is a unique prefix of, else the key itself (which
+    then matches nothing) -- containerd filters lists this way, it never fails them."""
+    try:
+        return _truncindex_get(ids, key)
+    except _LookupError:
+        return key
+
+
 def normalize_image_ref(ref: str) -> str:
     """docker.ParseDockerRef: add docker.io/library/ and :latest; a digest drops the tag."""
     name, _, digest = ref.partition("@")
@@ -1035,10 +1044,7 @@ class FakeRuntime:
         f = req.filter if req.HasField("filter") else None
         want_id = ""
         if f is not None and f.id:
-            try:
-                want_id = _truncindex_get(self.sandboxes, f.id)
-            except _LookupError:
-                want_id = f.id
+            want_id = _filter_id(self.sandboxes, f.id)
         for sb in self.sandboxes.values():
             if f is not None:
                 if want_id and sb.id != want_id:
@@ -1207,15 +1213,9 @@ class FakeRuntime:
         want_id = want_sb = ""
         if f is not None:
             if f.id:
-                try:
-                    want_id = _truncindex_get(self.containers, f.id)
-                except _LookupError:
-                    want_id = f.id
+                want_id = _filter_id(self.containers, f.id)
             if f.pod_sandbox_id:
-                try:
-                    want_sb = _truncindex_get(self.sandboxes, f.pod_sandbox_id)
-                except _LookupError:
-                    want_sb = f.pod_sandbox_id
+                want_sb = _filter_id(self.sandboxes, f.pod_sandbox_id)
         for c in self.containers.values():
             if f is not None:
                 if want_id and c.id != want_id:
@@ -1329,15 +1329,9 @@ class FakeRuntime:
         f = req.filter
         want_id = want_sb = ""
         if f.id:
-            try:
-                want_id = _truncindex_get(self.containers, f.id)
-            except _LookupError:
-                want_id = f.id
+            want_id = _filter_id(self.containers, f.id)
         if f.pod_sandbox_id:
-            try:
-                want_sb = _truncindex_get(self.sandboxes, f.pod_sandbox_id)
-            except _LookupError:
-                want_sb = f.pod_sandbox_id
+            want_sb = _filter_id(self.sandboxes, f.pod_sandbox_id)
         now = _now_ns()
         resp = pb.ListContainerStatsResponse()
         for c in self.containers.values():
@@ -1387,10 +1381,7 @@ class FakeRuntime:
         f = req.filter
         want_id = ""
         if f.id:
-            try:
-                want_id = _truncindex_get(self.sandboxes, f.id)
-            except _LookupError:
-                want_id = f.id
+            want_id = _filter_id(self.sandboxes, f.id)
         now = _now_ns()
         resp = pb.ListPodSandboxStatsResponse()
         for sb in self.sandboxes.values():
