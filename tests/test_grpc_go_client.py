@@ -21,7 +21,9 @@ Through the shim (relay, the default transport, and grpc for comparison), with g
    passes the relay (the grpc transport's grpcio server refuses metadata above 8 KiB);
 6. an error's code, message and binary details pass through;
 and a deadline cancels the runtime's call, and the connections recover after a runtime restart
-(the relay bug this found: an idle refused connection kept refusing after the runtime was back).
+(the relay bugs this found: an idle refused connection kept refusing after the runtime was back;
+a 12 MiB held CreateContainer was reset when the runtime raised its initial window mid-transfer,
+see tests/test_relay_flow_control.py).
 """
 from __future__ import annotations
 
@@ -500,17 +502,10 @@ def test_20mib_response(stack):
 
 
 @pytest.mark.parametrize("pad_mib", [12, 20])
-def test_large_create_container(stack, pad_mib, request):
+def test_large_create_container(stack, pad_mib):
     """A CreateContainer padded with an unknown field to 12 or 20 MiB: below the relay's 16 MiB
     hold cap it is held and rewritten (the padding kept); above it the relay forwards it
     unchanged (fail-open) -- the grpc transport, which has no cap, rewrites it too."""
-    if stack.transport == "relay" and pad_mib == 12:
-        # KNOWN BUG (open): a 12 MiB CreateContainer held and rewritten by the relay is sometimes
-        # reset by the runtime with RST_STREAM PROTOCOL_ERROR when the client is grpc-go (always
-        # when this case runs alone, sometimes in the full suite). Suspected: flow-control
-        # accounting of re-sent held DATA against the runtime's windows. Still executed; a pass
-        # is reported as XPASS. Kubelet CreateContainer requests are a few KiB.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="relay: large held request vs grpc-go, open bug"))
     go_big = stack.client(max_send=32 * MI)
     runtime = stack.runtime
     sid, sb = run_pod(go_big, f"pad{pad_mib}-{stack.transport}", "guaranteed")

@@ -43,7 +43,9 @@ stream never reach the server, so the relay gives them back to the client (conne
 stream WINDOW_UPDATE) while holding, else a request larger than the window would stall until
 its deadline. The rewritten message (N' bytes instead of N) is then sent only within the
 server's windows (the stream's is tracked for held streams), and any client DATA that the
-server's window cannot take yet is queued. Server WINDOW_UPDATEs on the connection are passed
+server's window cannot take yet is queued. A raised SETTINGS_INITIAL_WINDOW_SIZE from the server
+counts for those stream windows only once the client's ACK of it has gone upstream (grpc-core
+resets a stream whose DATA exceeds the acknowledged window); a lowered one counts at once. Server WINDOW_UPDATEs on the connection are passed
 on only as far as the server's window exceeds what the client may already send plus what is
 queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
 (held, dropped or cancelled bytes), the relay grants it to the client itself. Everything else
@@ -443,7 +445,12 @@ class _Connection:
         # client -> server flow control (see the module docstring)
         self.s_conn = 65535
         self.c_conn = 65535
+        # the server's SETTINGS_INITIAL_WINDOW_SIZE as the relay may use it for its own DATA: a
+        # value counts once the client's ACK of that SETTINGS frame went upstream (grpc-core checks
+        # stream DATA against the acknowledged value), a decrease at once (``_server_initial``)
         self.s_initial = 65535
+        self.s_initial_acked = 65535
+        self.s_settings_unacked: deque = deque()  # per server SETTINGS frame not yet acked: its value or None
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server counts only once the client acknowledged it
         self.s_max_frame = 16384
@@ -797,11 +804,37 @@ class _Connection:
             call = self.streams.get(sid)
             if call is not None:
                 self._finish(call, self._ended_code(call), "")
-        elif ftype == SETTINGS and not flags & ACK:
+        elif ftype == SETTINGS:
+            if flags & ACK:
+                # the client acknowledged the server's oldest unacknowledged SETTINGS, and this ACK
+                # is upstream before anything the relay sends from now on
+                if self.s_settings_unacked:
+                    initial = self.s_settings_unacked.popleft()
+                    if initial is not None:
+                        self.s_initial_acked = initial
+                        self._server_initial()
+                return
             for i in range(pos + 9, end - 5, 6):
                 if int.from_bytes(data[i:i + 2], "big") == SETTINGS_HEADER_TABLE_SIZE:
                     value = int.from_bytes(data[i + 2:i + 6], "big")
                     self.sdec.max_allowed = max(self.sdec.max_allowed, value)
+
+    def _server_initial(self) -> None:
+        """The server's initial stream window as far as the relay may use it for DATA it sends
+        itself: the acknowledged value, or lower while a lower one waits for its ACK. An
+        increase the client has not acknowledged yet does not count: grpc-core checks a
+        stream's DATA against the initial window the peer acknowledged, so DATA sent on the
+        strength of an unacknowledged increase is reset (RST_STREAM PROTOCOL_ERROR). Changes
+        move the windows of the streams the relay sends on (RFC 9113 6.9.2)."""
+        value = self.s_initial_acked
+        for v in self.s_settings_unacked:
+            if v is not None and v < value:
+                value = v
+        delta = value - self.s_initial
+        if delta:
+            self.s_initial = value
+            for k in self.swin:
+                self.swin[k] += delta
 
     def _rebuild_client(self, data: bytes, frames: list, done: int) -> None:
         """The chunk needs changes: held, dropped or queued DATA, a held stream's end."""
@@ -1200,16 +1233,17 @@ class _Connection:
                                      f"stream reset by the runtime (HTTP/2 error code {code})")
             elif ftype == SETTINGS:
                 if not data[pos + 4] & ACK:
+                    initial = None
                     for i in range(pos + 9, end - 5, 6):
                         ident = int.from_bytes(data[i:i + 2], "big")
                         value = int.from_bytes(data[i + 2:i + 6], "big")
                         if ident == SETTINGS_INITIAL_WINDOW_SIZE:
-                            delta = value - self.s_initial
-                            self.s_initial = value
-                            for k in self.swin:
-                                self.swin[k] += delta
+                            initial = value
                         elif ident == SETTINGS_HEADER_TABLE_SIZE:
                             self.cdec.max_allowed = max(self.cdec.max_allowed, value)
+                    self.s_settings_unacked.append(initial)
+                    if initial is not None:
+                        self._server_initial()
             elif ftype == GOAWAY:
                 last = int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
                 for sid in [s for s in streams if s > last]:

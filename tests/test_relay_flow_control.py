@@ -1,0 +1,208 @@
+"""The relay's own DATA (a held, rewritten request) against the runtime's flow-control windows,
+frame by frame, with the runtime's checks modelled as grpc-core (containerd's and the fake
+runtime's HTTP/2 stack here) makes them: a stream may receive at most the initial window the
+peer has *acknowledged* plus the stream's WINDOW_UPDATEs; the connection at most its window.
+
+The bug this pins down (found with a grpc-go client and a 12 MiB CreateContainer): the runtime
+raised SETTINGS_INITIAL_WINDOW_SIZE in the middle of the relay's re-send, the relay counted the
+increase at once, and the DATA it sent before the kubelet's SETTINGS ACK reached the runtime
+overflowed the stream's acknowledged window: RST_STREAM PROTOCOL_ERROR, CreateContainer failed.
+
+No sockets: a ``_Connection`` is fed bytes as its two asyncio protocols would feed them, and
+what it writes each way is parsed back into frames.
+"""
+from __future__ import annotations
+
+import hpack
+import pytest
+
+from shim.transport.hooks import CREATE_CONTAINER
+from shim.transport.relay import PREFACE, RelayProxy, _Connection
+
+try:
+    from tests.test_relay import Hooks, added, request_for
+except ImportError:
+    from test_relay import Hooks, added, request_for
+
+DATA, HEADERS, SETTINGS, WINDOW_UPDATE = 0, 1, 4, 8
+END_STREAM = ACK = 0x1
+END_HEADERS = 0x4
+INITIAL_WINDOW_SIZE = 0x4
+SID = 1
+
+
+def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([ftype, flags]) + sid.to_bytes(4, "big") + payload
+
+
+def settings(**values: int) -> bytes:
+    ids = {"initial_window": INITIAL_WINDOW_SIZE}
+    return frame(SETTINGS, 0, 0, b"".join(ids[k].to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in values.items()))
+
+
+def settings_ack() -> bytes:
+    return frame(SETTINGS, ACK, 0)
+
+
+def window_update(sid: int, inc: int) -> bytes:
+    return frame(WINDOW_UPDATE, 0, sid, inc.to_bytes(4, "big"))
+
+
+def parse(raw: bytes, preface: bool = False) -> list[tuple[int, int, int, bytes]]:
+    pos = len(PREFACE) if preface else 0
+    out = []
+    while pos < len(raw):
+        n = int.from_bytes(raw[pos:pos + 3], "big")
+        out.append((raw[pos + 3], raw[pos + 4], int.from_bytes(raw[pos + 5:pos + 9], "big") & 0x7FFFFFFF,
+                    raw[pos + 9:pos + 9 + n]))
+        pos += 9 + n
+    assert pos == len(raw), "a partial frame"
+    return out
+
+
+class Transport:
+    """What the relay writes to one side, kept whole."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def write(self, data) -> None:
+        self.out += data
+
+    def writelines(self, pieces) -> None:
+        for p in pieces:
+            self.out += p
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class Runtime:
+    """The runtime's receiving side of the connection, checking every frame the relay sends as
+    grpc-core does: SETTINGS it sent take effect for stream windows when their ACK arrives."""
+
+    def __init__(self, initial: int = 65535, conn_window: int = 65535) -> None:
+        self.acked_initial = 65535  # before the first ACK: the protocol default
+        self.unacked: list[int | None] = []
+        self.conn = conn_window
+        self.stream_update = 0  # WINDOW_UPDATEs the runtime sent for stream SID
+        self.stream_received = 0
+        self.message = bytearray()
+        self.ended = False
+        self.seen = 0  # bytes of the relay's upstream output checked so far
+        self.errors: list[str] = []
+
+    def sends_settings(self, initial: int | None) -> None:
+        self.unacked.append(initial)
+
+    def check(self, up: Transport) -> None:
+        frames = parse(bytes(up.out[self.seen:]), preface=self.seen == 0)
+        self.seen = len(up.out)
+        for ftype, flags, sid, payload in frames:
+            if ftype == SETTINGS and flags & ACK:
+                v = self.unacked.pop(0)
+                if v is not None:
+                    self.acked_initial = v
+            elif ftype == DATA and sid == SID:
+                window = self.acked_initial + self.stream_update - self.stream_received
+                if len(payload) > window:
+                    self.errors.append(f"frame of {len(payload)} overflows the stream window of {window}")
+                if len(payload) > self.conn:
+                    self.errors.append(f"frame of {len(payload)} overflows the connection window of {self.conn}")
+                self.stream_received += len(payload)
+                self.conn -= len(payload)
+                self.message += payload
+                self.ended = bool(flags & END_STREAM)
+
+
+def create_container_call(message: bytes) -> tuple[bytes, list[bytes]]:
+    """The HEADERS frame and the DATA frames (16 KiB) of a CreateContainer call on stream SID."""
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", CREATE_CONTAINER),
+                                    (":authority", "localhost"), ("content-type", "application/grpc"),
+                                    ("te", "trailers")])
+    grpc_message = b"\x00" + len(message).to_bytes(4, "big") + message
+    chunks = [grpc_message[i:i + 16384] for i in range(0, len(grpc_message), 16384)]
+    data = [frame(DATA, END_STREAM if i == len(chunks) - 1 else 0, SID, c) for i, c in enumerate(chunks)]
+    return frame(HEADERS, END_HEADERS, SID, block), data
+
+
+@pytest.fixture
+def relay_connection(tmp_path):
+    hooks = Hooks(added)
+    relay = RelayProxy(f"unix://{tmp_path}/shim.sock", f"unix://{tmp_path}/runtime.sock", hooks)
+    conn = _Connection(relay)
+    client, upstream = Transport(), Transport()
+    conn.client = client  # what client_made() sets, without its connect task: the upstream is ours
+    conn.upstream_made(upstream)
+    return conn, client, upstream, hooks
+
+
+@pytest.mark.parametrize("message_kib", [300, 1500])
+def test_unacknowledged_window_increase_is_not_spent_on_a_held_request(relay_connection, message_kib):
+    """The runtime's SETTINGS raises the initial stream window while a held CreateContainer is
+    being rewritten; the relay sends within the acknowledged window until the client's ACK of
+    that SETTINGS has gone upstream, then the rest -- and the runtime gets the whole rewritten
+    message without a single overflow."""
+    conn, client, upstream, hooks = relay_connection
+    runtime = Runtime()
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
+    # the runtime's first SETTINGS: a 64 KiB stream window (acked at once) and a large connection window
+    runtime.sends_settings(65535)
+    conn.from_server(settings(initial_window=65535) + window_update(0, 64 << 20))
+    runtime.conn += 64 << 20
+    conn.from_client(settings_ack())
+    runtime.check(upstream)
+
+    message = request_for(CREATE_CONTAINER, size=message_kib * 1024)
+    headers, data = create_container_call(message)
+    conn.from_client(headers + b"".join(data[:-1]))
+    # mid-call, before the last DATA: the runtime raises the initial window to 8 MiB (its BDP
+    # estimate grew); the client has not acknowledged it yet when the request ends
+    runtime.sends_settings(8 << 20)
+    conn.from_server(settings(initial_window=8 << 20))
+    conn.from_client(data[-1])
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    # as much as the acknowledged window takes in the relay's 16 KiB frames
+    assert 65535 - 16384 < runtime.stream_received <= 65535 and not runtime.ended
+
+    conn.from_client(settings_ack())  # now the increase counts
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    assert runtime.ended
+    rewritten = added(CREATE_CONTAINER, message)
+    assert bytes(runtime.message) == b"\x00" + len(rewritten).to_bytes(4, "big") + rewritten
+    assert hooks.rewrites == [(CREATE_CONTAINER, message)]
+
+
+def test_window_decrease_counts_before_its_acknowledgement(relay_connection):
+    """A lower initial window counts at once (the runtime may already apply it): DATA sent
+    after the relay saw it stays within the lower window."""
+    conn, client, upstream, hooks = relay_connection
+    runtime = Runtime()
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
+    runtime.sends_settings(1 << 20)
+    conn.from_server(settings(initial_window=1 << 20) + window_update(0, 64 << 20))
+    runtime.conn += 64 << 20
+    conn.from_client(settings_ack())
+    runtime.check(upstream)
+
+    message = request_for(CREATE_CONTAINER, size=200 * 1024)
+    headers, data = create_container_call(message)
+    conn.from_client(headers + b"".join(data[:-1]))
+    conn.from_server(settings(initial_window=32768))  # lower, not acknowledged yet
+    runtime.sends_settings(32768)
+    runtime.acked_initial = 32768  # the strictest reading: the runtime applies it on sending
+    conn.from_client(data[-1])
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    assert runtime.stream_received == 32768 and not runtime.ended
+
+    conn.from_server(window_update(SID, 1 << 20))
+    runtime.stream_update += 1 << 20
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    assert runtime.ended
