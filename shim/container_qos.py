@@ -6,10 +6,11 @@ forwards the kubelet's original bytes and leaves a fail-open audit record.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
+from json.encoder import encode_basestring_ascii as _json_string
 from types import MappingProxyType
 from typing import Any, Callable
 
@@ -71,9 +72,29 @@ def _container_facts(name: str, resources: Any) -> ContainerFacts:
     )
 
 
+def _create_base(pod: PodFacts, name: str, sandbox_id: str) -> dict:
+    return {
+        "method": "CreateContainer",
+        "pod": f"{pod.namespace}/{pod.name}",
+        "pod_uid": pod.uid,
+        "container": name,
+        "sandbox_id": sandbox_id,
+    }
+
+
+def container_note(request_bytes: int, source: str, qos: str, cgroup_parent: str) -> str:
+    """The ``memqos.io/request`` annotation: compact JSON, exactly as
+    ``json.dumps({...}, separators=(",", ":"))`` writes it (the strings escaped by the same
+    encoder), without building a dict and an encoder per container."""
+    return '{"bytes":%s,"source":%s,"qos":%s,"cgroup_parent":%s}' % (
+        int.__repr__(int(request_bytes)), _json_string(source), _json_string(qos), _json_string(cgroup_parent))
+
+
 def _apply(resources: Any, decision: Decision) -> None:
-    resources.unified.clear()
-    resources.unified.update(decision.unified_after)
+    unified = resources.unified
+    unified.clear()
+    for key, value in decision.unified_after.items():  # (a protobuf map's update() is the slow generic one)
+        unified[key] = value
 
 
 class ContainerMemoryQoS:
@@ -98,8 +119,10 @@ class ContainerMemoryQoS:
         self.disabled_reason = disabled_reason
         self._warned = False
         self.containers: dict[str, KnownContainer] = {}
-        # original request bytes -> [(audit record, KnownContainer without id)], until finished
-        self._pending: dict[bytes, list[tuple[dict, KnownContainer | None]]] = {}
+        # original request bytes -> [(audit record, KnownContainer without id)], until finished;
+        # the record of a decision is built in finished() (a callable until then): the relay runs
+        # finished() after the kubelet has its answer, so the call does not wait for the record
+        self._pending: dict[bytes, list[tuple[dict | Callable[[], dict], KnownContainer | None]]] = {}
         self._lock = threading.Lock()
 
     # -- CallHooks ---------------------------------------------------------------
@@ -146,6 +169,8 @@ class ContainerMemoryQoS:
             if entry is None:
                 return
             record, memo = entry
+            if callable(record):
+                record = record()
             record["code"] = call.code
             if call.code != "OK":
                 record["details"] = call.details[:500]
@@ -177,31 +202,28 @@ class ContainerMemoryQoS:
     def _create(self, request: bytes) -> tuple[bytes, dict, KnownContainer | None]:
         msg = pb.CreateContainerRequest.FromString(request)
         pod = _pod_facts(msg.sandbox_config)
-        name = msg.config.metadata.name
-        base = {
-            "method": "CreateContainer",
-            "pod": f"{pod.namespace}/{pod.name}",
-            "pod_uid": pod.uid,
-            "container": name,
-            "sandbox_id": msg.pod_sandbox_id,
-        }
-        if not msg.config.HasField("linux") or not msg.config.linux.HasField("resources"):
-            return request, {**base, "event": "unchanged", "reason": "no linux resources in the request"}, None
-        resources = msg.config.linux.resources
+        config = msg.config
+        name = config.metadata.name
+        sandbox_id = msg.pod_sandbox_id
+        if not config.HasField("linux") or not config.linux.HasField("resources"):
+            record = {**_create_base(pod, name, sandbox_id), "event": "unchanged",
+                      "reason": "no linux resources in the request"}
+            return request, record, None
+        resources = config.linux.resources
         decision = decide(pod, _container_facts(name, resources), self.node, self.policy)
-        memo = KnownContainer(msg.pod_sandbox_id, name, pod, decision.qos, decision.request)
-        record = {**base, **self._describe(decision)}
-        note = json.dumps(
-            {"bytes": decision.request.bytes, "source": decision.request.source.value,
-             "qos": decision.qos.value, "cgroup_parent": pod.cgroup_parent},
-            separators=(",", ":"),
-        )
+        memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request)
+        lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision)
+        note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
+                              pod.cgroup_parent)
         if decision.changed:
             _apply(resources, decision)
-        elif msg.config.annotations.get(CONTAINER_ANNOTATION) == note:
-            return request, record, memo
-        msg.config.annotations[CONTAINER_ANNOTATION] = note
-        return msg.SerializeToString(), record, memo
+        elif config.annotations.get(CONTAINER_ANNOTATION) == note:
+            return request, lazy, memo
+        config.annotations[CONTAINER_ANNOTATION] = note
+        return msg.SerializeToString(), lazy, memo
+
+    def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, **extra: Any) -> dict:
+        return {**base(*args), **self._describe(decision), **extra}
 
     def _update(self, request: bytes) -> tuple[bytes, dict]:
         msg = pb.UpdateContainerResourcesRequest.FromString(request)
@@ -232,9 +254,8 @@ class ContainerMemoryQoS:
             pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
             base["note"] = "container not seen at creation: QoS and request from the update alone"
         decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True)
-        record = {**base, **self._describe(decision)}
-        if known is not None and request_override is known.request:
-            record["request_remembered"] = True
+        extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
+        record = partial(self._decision_record, dict, (base,), decision, **extra)
         if not decision.changed:
             return request, record
         _apply(resources, decision)

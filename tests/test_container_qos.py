@@ -1,7 +1,11 @@
 """The rewrite hooks on their own (no sockets): parsing, fail-open, memory for updates."""
 from __future__ import annotations
 
-from shim.container_qos import ContainerMemoryQoS
+import json
+
+import pytest
+
+from shim.container_qos import ContainerMemoryQoS, container_note
 from shim.cri import pb
 from shim.decision import NodeFacts, Policy
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
@@ -133,3 +137,17 @@ def test_transport_fail_open_is_audited():
     hooks.not_rewritten(CREATE_CONTAINER, "transport: a 20971520-byte message is above the hold cap")
     assert records == [{"event": "fail-open", "method": "CreateContainer",
                         "error": "transport: a 20971520-byte message is above the hold cap"}]
+
+
+@pytest.mark.parametrize("parent", [
+    "/kubepods/burstable/pod1234", "kubepods-burstable-pod12_34.slice", "", 'quo"te\\back\nline\x00\x7f',
+    "ünïcødé/\u2028/\U0001f600", "x" * 5000,
+])
+@pytest.mark.parametrize("request_bytes", [0, 1, 2**62])
+def test_container_note_is_the_json_of_its_fields(parent, request_bytes):
+    """The annotation is built without json.dumps on the hot path; it must be byte for byte what
+    json.dumps writes (a restarted shim and `reset` parse it), for any cgroup parent."""
+    fields = {"bytes": request_bytes, "source": "pod-annotation", "qos": "Burstable", "cgroup_parent": parent}
+    note = container_note(request_bytes, "pod-annotation", "Burstable", parent)
+    assert note == json.dumps(fields, separators=(",", ":"))
+    assert json.loads(note) == fields

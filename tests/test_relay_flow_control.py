@@ -61,17 +61,20 @@ def parse(raw: bytes, preface: bool = False) -> list[tuple[int, int, int, bytes]
 
 
 class Transport:
-    """What the relay writes to one side, kept whole."""
+    """What the relay writes to one side, kept whole, and how many writes it took."""
 
     def __init__(self) -> None:
         self.out = bytearray()
+        self.writes = 0
 
     def write(self, data) -> None:
         self.out += data
+        self.writes += 1
 
     def writelines(self, pieces) -> None:
         for p in pieces:
             self.out += p
+        self.writes += 1
 
     def pause_reading(self) -> None:
         pass
@@ -206,3 +209,53 @@ def test_window_decrease_counts_before_its_acknowledgement(relay_connection):
     runtime.check(upstream)
     assert not runtime.errors, runtime.errors[:3]
     assert runtime.ended
+
+
+def answer(sid: int, message: bytes) -> bytes:
+    """The runtime's answer to a unary call: HEADERS, one DATA, trailers."""
+    enc = hpack.Encoder()
+    head = enc.encode([(":status", "200"), ("content-type", "application/grpc")])
+    trailers = enc.encode([("grpc-status", "0"), ("grpc-message", "")])
+    return (frame(HEADERS, END_HEADERS, sid, head)
+            + frame(DATA, 0, sid, b"\x00" + len(message).to_bytes(4, "big") + message)
+            + frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
+
+
+def test_rewritten_call_answer_and_window_update_reach_the_client_in_one_write(relay_connection):
+    """After a rewrite that made the request larger, the runtime's connection WINDOW_UPDATE
+    (for the bytes it got) is cut to what the client sent, and goes out with the answer in the
+    same write: the kubelet's window ends where the runtime's is, and it wakes once. finished()
+    runs after that write (off the call's latency) and sees the whole call."""
+    conn, client, upstream, hooks = relay_connection
+    runtime = Runtime()
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
+    runtime.sends_settings(None)
+    conn.from_server(settings() + window_update(0, 1 << 20))
+    conn.from_client(settings_ack())
+    runtime.conn += 1 << 20
+    runtime.check(upstream)
+
+    message = request_for(CREATE_CONTAINER, size=1000)
+    headers, data = create_container_call(message)
+    conn.from_client(headers + b"".join(data))
+    runtime.check(upstream)
+    assert not runtime.errors and runtime.ended
+    sent_by_client = 5 + len(message)
+    got_by_runtime = len(runtime.message)
+    assert got_by_runtime > sent_by_client  # the rewrite added bytes
+
+    seen_at_finished = []
+    hooks.finished = lambda call: seen_at_finished.append((bytes(client.out), call))
+    before, writes = len(client.out), client.writes
+    response = b"created"
+    conn.from_server(answer(SID, response) + window_update(0, got_by_runtime))
+    assert client.writes == writes + 1
+    frames = parse(bytes(client.out[before:]))
+    assert [(f[0], f[2]) for f in frames] == [(HEADERS, SID), (DATA, SID), (HEADERS, SID), (WINDOW_UPDATE, 0)]
+    assert int.from_bytes(frames[3][3], "big") == sent_by_client
+    # the client's view of the connection window equals the runtime's
+    assert conn.c_conn == conn.s_conn - conn.queued
+    [(out_then, call)] = seen_at_finished
+    assert out_then == bytes(client.out)  # the answer was written before finished() ran
+    assert call.code == "OK" and call.request == message and call.responses == [response]
+    assert call.forwarded == added(CREATE_CONTAINER, message)

@@ -696,7 +696,8 @@ def test_finished_call_fields(loop, stack):
     async def body():
         t0 = time.time()
         resp = await stack.unary(CREATE_CONTAINER)(create, timeout=5)
-        # finished() ran before the answer reached the client
+        # finished() ran before the client saw the answer (the relay: right after writing it, in
+        # the same callback of the loop this client runs on)
         assert len(stack.hooks.calls(CREATE_CONTAINER)) == 1
         t1 = time.time()
         with pytest.raises(grpc.aio.AioRpcError):

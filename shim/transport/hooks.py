@@ -7,8 +7,10 @@ bytes and calls two hooks:
   before forwarding. It returns the bytes to send upstream (the same object
   when nothing changes). It runs on the event loop, so it must be quick and
   must not block; the transport forwards the original bytes if it raises.
-* ``finished(call)`` -- once per call, after the upstream answered and before
-  the answer goes back to the kubelet. Must not block (enqueue, dict update).
+* ``finished(call)`` -- once per call, after the upstream answered, and before the
+  transport handles the kubelet's next call: the grpc transport calls it before the
+  answer goes back, the relay right after writing the answer, in the same event-loop
+  callback (off the call's latency). Must not block (enqueue, dict update).
   Consumers: the audit/record writer, the reconciler's node state, the memory
   of containers that UpdateContainerResources needs.
 * ``not_rewritten(method, reason)`` -- optional: a transport that could not hand a

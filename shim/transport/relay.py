@@ -13,8 +13,9 @@ relay does on top of forwarding:
 * It reassembles the gRPC messages of both directions from DATA frames (a copy to the side,
   never delaying the forward) so that ``CallHooks.finished`` gets the same ``FinishedCall`` as
   from the grpcio transport: request, responses (server streams capped like there), code,
-  details, ``forwarded``. ``finished`` runs before the frame that ends the call is written to
-  the kubelet.
+  details, ``forwarded``. ``finished`` runs right after the frame that ends the call was
+  written to the kubelet, in the same event-loop callback: off the call's latency, yet before
+  the relay reads anything more from any connection (so before the kubelet's next call).
 * Bytes that need no change go out before the relay looks at them closely: a client chunk that
   holds no held, dropped or queued DATA is written upstream first and observed after; a large
   server chunk's leading DATA is written before it is copied for the observers, and a DATA
@@ -470,6 +471,9 @@ class _Connection:
         self.paused_client = False
         self.refused_details = ""
         self.answered = 0
+        # while a server chunk is processed: the FinishedCalls of the calls it ends, reported
+        # once the chunk's answers are written to the client (from_server)
+        self.defer: list[FinishedCall] | None = None
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -637,9 +641,13 @@ class _Connection:
             responses = call.resp.msgs
             if call.resp.compressed and call.resp_encoding:
                 responses = [_decompress(call.resp_encoding, r) or r for r in responses]
-        self.relay.finished(FinishedCall(
+        fc = FinishedCall(
             call.method, call.start, (time.perf_counter() - call.t0) * 1000.0, request, call.forwarded,
-            responses, code, details, call.resp.truncated and code == "OK"))
+            responses, code, details, call.resp.truncated and code == "OK")
+        if self.defer is not None:
+            self.defer.append(fc)
+        else:
+            self.relay.finished(fc)
         if call.resp.kept + call.req.kept + len(request) > TRIM_AFTER_BYTES:
             self.relay.trim_soon()
 
@@ -941,7 +949,10 @@ class _Connection:
             self._unhold(call, bool(flags & END_STREAM))
             return
         if flags & END_STREAM:
-            self._flush(pending)  # the stream's HEADERS go first, before the hook runs
+            # the stream's HEADERS go first, before the hook runs: the runtime starts on the call
+            # (and its deadline) while the relay rewrites the message -- measured faster than one
+            # write of HEADERS and DATA together after the hook
+            self._flush(pending)
             self._end_hold(call, pending)
         elif length:
             self.repay_streams[call.sid] = self.repay_streams.get(call.sid, 0) + length
@@ -1095,12 +1106,19 @@ class _Connection:
     def from_server(self, data: bytes) -> None:
         if self.mode != "relay":
             return
+        self.defer = []  # calls that end in this chunk: finished() after the client has the answer
         try:
             self._relay_server(data)
         except _ProtocolBroken as e:
             self._broken("server", e)
         except Exception:  # noqa: BLE001
             self._broken("server", None)
+        finally:
+            d = self.defer
+            if d is not None:
+                self.defer = None
+                for fc in d:
+                    self.relay.finished(fc)
 
     def _relay_server(self, data: bytes) -> None:
         """Server bytes: forwarded frame by frame; responses observed; a call's end (trailers,
@@ -1207,12 +1225,16 @@ class _Connection:
                 inc = int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
                 if sid == 0:
                     self.s_conn += inc
-                    if self.s_conn - self.queued - self.c_conn >= inc:
+                    room = self.s_conn - self.queued - self.c_conn
+                    if room >= inc:
                         self.c_conn += inc  # passes on unchanged
-                    else:  # withheld; _after() grants what the client may have
+                    else:  # cut to what the client may have (a rewrite made the request larger)
                         if out_start < pos:
                             pending.append(memoryview(data)[out_start:pos])
                         out_start = end
+                        if room > 0:
+                            pending.append(_window_update(0, room))
+                            self.c_conn += room
                 elif sid in self.swin:
                     self.swin[sid] += inc
             elif ftype == RST_STREAM:
