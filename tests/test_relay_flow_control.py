@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import hpack
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from shim.transport.hooks import CREATE_CONTAINER
 from shim.transport.relay import PREFACE, RelayProxy, _Connection
@@ -84,22 +87,33 @@ class Transport:
 
 
 class Runtime:
-    """The runtime's receiving side of the connection, checking every frame the relay sends as
-    grpc-core does: SETTINGS it sent take effect for stream windows when their ACK arrives."""
+    """The runtime's receiving side of the connection, checking every DATA frame the relay
+    sends against the strictest reading of the windows: a stream's is the initial window the
+    peer acknowledged (grpc-core's check) or a lower one the runtime has sent and that is not
+    acknowledged yet (a peer applying SETTINGS on receipt), plus the stream's WINDOW_UPDATEs."""
 
-    def __init__(self, initial: int = 65535, conn_window: int = 65535) -> None:
+    def __init__(self, conn_window: int = 65535) -> None:
         self.acked_initial = 65535  # before the first ACK: the protocol default
         self.unacked: list[int | None] = []
         self.conn = conn_window
-        self.stream_update = 0  # WINDOW_UPDATEs the runtime sent for stream SID
-        self.stream_received = 0
-        self.message = bytearray()
-        self.ended = False
+        self.updates: dict[int, int] = {}  # WINDOW_UPDATEs the runtime sent per stream
+        self.received: dict[int, int] = {}
+        self.messages: dict[int, bytearray] = {}
+        self.ended_streams: set[int] = set()
         self.seen = 0  # bytes of the relay's upstream output checked so far
         self.errors: list[str] = []
 
     def sends_settings(self, initial: int | None) -> None:
         self.unacked.append(initial)
+
+    def sends_window_update(self, sid: int, inc: int) -> None:
+        if sid == 0:
+            self.conn += inc
+        else:
+            self.updates[sid] = self.updates.get(sid, 0) + inc
+
+    def initial(self) -> int:
+        return min([self.acked_initial] + [v for v in self.unacked if v is not None])
 
     def check(self, up: Transport) -> None:
         frames = parse(bytes(up.out[self.seen:]), preface=self.seen == 0)
@@ -109,38 +123,59 @@ class Runtime:
                 v = self.unacked.pop(0)
                 if v is not None:
                     self.acked_initial = v
-            elif ftype == DATA and sid == SID:
-                window = self.acked_initial + self.stream_update - self.stream_received
+            elif ftype == DATA:
+                if sid in self.ended_streams:
+                    self.errors.append(f"DATA on stream {sid} after END_STREAM")
+                window = self.initial() + self.updates.get(sid, 0) - self.received.get(sid, 0)
                 if len(payload) > window:
-                    self.errors.append(f"frame of {len(payload)} overflows the stream window of {window}")
+                    self.errors.append(f"frame of {len(payload)} overflows the window of stream {sid}: {window}")
                 if len(payload) > self.conn:
                     self.errors.append(f"frame of {len(payload)} overflows the connection window of {self.conn}")
-                self.stream_received += len(payload)
+                self.received[sid] = self.received.get(sid, 0) + len(payload)
                 self.conn -= len(payload)
-                self.message += payload
-                self.ended = bool(flags & END_STREAM)
+                self.messages.setdefault(sid, bytearray()).extend(payload)
+                if flags & END_STREAM:
+                    self.ended_streams.add(sid)
+
+    # stream SID, for the tests of one call
+    @property
+    def stream_received(self) -> int:
+        return self.received.get(SID, 0)
+
+    @property
+    def message(self) -> bytearray:
+        return self.messages.get(SID, bytearray())
+
+    @property
+    def ended(self) -> bool:
+        return SID in self.ended_streams
 
 
-def create_container_call(message: bytes) -> tuple[bytes, list[bytes]]:
-    """The HEADERS frame and the DATA frames (16 KiB) of a CreateContainer call on stream SID."""
-    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", CREATE_CONTAINER),
+def create_container_call(message: bytes, sid: int = SID, encoder: hpack.Encoder | None = None
+                          ) -> tuple[bytes, list[bytes]]:
+    """The HEADERS frame and the DATA frames (16 KiB) of a CreateContainer call on a stream."""
+    block = (encoder or hpack.Encoder()).encode([(":method", "POST"), (":scheme", "http"), (":path", CREATE_CONTAINER),
                                     (":authority", "localhost"), ("content-type", "application/grpc"),
                                     ("te", "trailers")])
     grpc_message = b"\x00" + len(message).to_bytes(4, "big") + message
     chunks = [grpc_message[i:i + 16384] for i in range(0, len(grpc_message), 16384)]
-    data = [frame(DATA, END_STREAM if i == len(chunks) - 1 else 0, SID, c) for i, c in enumerate(chunks)]
-    return frame(HEADERS, END_HEADERS, SID, block), data
+    data = [frame(DATA, END_STREAM if i == len(chunks) - 1 else 0, sid, c) for i, c in enumerate(chunks)]
+    return frame(HEADERS, END_HEADERS, sid, block), data
 
 
-@pytest.fixture
-def relay_connection(tmp_path):
+def new_connection(base: str):
     hooks = Hooks(added)
-    relay = RelayProxy(f"unix://{tmp_path}/shim.sock", f"unix://{tmp_path}/runtime.sock", hooks)
+    relay = RelayProxy(f"unix://{base}/shim.sock", f"unix://{base}/runtime.sock", hooks)
     conn = _Connection(relay)
     client, upstream = Transport(), Transport()
     conn.client = client  # what client_made() sets, without its connect task: the upstream is ours
     conn.upstream_made(upstream)
     return conn, client, upstream, hooks
+
+
+@pytest.fixture
+def relay_connection(tmp_path):
+    return new_connection(str(tmp_path))
 
 
 @pytest.mark.parametrize("message_kib", [300, 1500])
@@ -197,15 +232,14 @@ def test_window_decrease_counts_before_its_acknowledgement(relay_connection):
     headers, data = create_container_call(message)
     conn.from_client(headers + b"".join(data[:-1]))
     conn.from_server(settings(initial_window=32768))  # lower, not acknowledged yet
-    runtime.sends_settings(32768)
-    runtime.acked_initial = 32768  # the strictest reading: the runtime applies it on sending
+    runtime.sends_settings(32768)  # counts at once in the model's strictest reading
     conn.from_client(data[-1])
     runtime.check(upstream)
     assert not runtime.errors, runtime.errors[:3]
     assert runtime.stream_received == 32768 and not runtime.ended
 
     conn.from_server(window_update(SID, 1 << 20))
-    runtime.stream_update += 1 << 20
+    runtime.sends_window_update(SID, 1 << 20)
     runtime.check(upstream)
     assert not runtime.errors, runtime.errors[:3]
     assert runtime.ended
@@ -259,3 +293,81 @@ def test_rewritten_call_answer_and_window_update_reach_the_client_in_one_write(r
     assert out_then == bytes(client.out)  # the answer was written before finished() ran
     assert call.code == "OK" and call.request == message and call.responses == [response]
     assert call.forwarded == added(CREATE_CONTAINER, message)
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_held_requests_never_overflow_the_runtimes_windows(data):
+    """Any interleaving of held CreateContainer calls (1 to 3 at once, up to 300 KiB), the
+    runtime's SETTINGS raising or lowering the initial window, the client's ACKs of them, and
+    the runtime's WINDOW_UPDATEs: no DATA frame the relay sends exceeds a window in the
+    strictest reading, and once the runtime opens its windows every call arrives whole and
+    rewritten."""
+    conn, client, upstream, hooks = new_connection("/nonexistent")
+    runtime = Runtime()
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
+    first = data.draw(st.sampled_from([16384, 65535, 1 << 20]), "initial window")
+    conn_grant = data.draw(st.sampled_from([0, 100_000, 1 << 20, 16 << 20]), "connection window grant")
+    runtime.sends_settings(first)
+    conn.from_server(settings(initial_window=first) + (window_update(0, conn_grant) if conn_grant else b""))
+    runtime.sends_window_update(0, conn_grant)
+    acks_owed = 1
+
+    encoder = hpack.Encoder()
+    sizes = data.draw(st.lists(st.sampled_from([0, 100, 16000, 70000, 300_000]), min_size=1, max_size=3), "sizes")
+    calls = []  # [sid, message, frames not yet sent]
+    for k, size in enumerate(sizes):
+        sid = 2 * k + 1
+        message = request_for(CREATE_CONTAINER, tag=str(sid), size=size)
+        headers, frames = create_container_call(message, sid, encoder)
+        calls.append([sid, message, [headers] + frames])
+
+    def step(action: str) -> None:
+        nonlocal acks_owed
+        if action == "client":
+            waiting = [c for c in calls if c[2]]
+            if not waiting:
+                return
+            # streams open in order: a call's HEADERS only after every earlier call's
+            opened = [c for c in waiting if c is waiting[0] or not c[2][0][3] == HEADERS]
+            c = data.draw(st.sampled_from(opened), "call")
+            n = data.draw(st.integers(1, 4), "frames")
+            chunk, c[2] = b"".join(c[2][:n]), c[2][n:]
+            conn.from_client(chunk)
+        elif action == "settings":
+            value = data.draw(st.sampled_from([0, 1000, 16384, 65535, 300_000, 1 << 20, (1 << 31) - 1]), "initial")
+            runtime.sends_settings(value)
+            conn.from_server(settings(initial_window=value))
+            acks_owed += 1
+        elif action == "ack" and acks_owed:
+            conn.from_client(settings_ack())
+            acks_owed -= 1
+        elif action == "window":
+            opened = [c[0] for c in calls if not (c[2] and c[2][0][3] == HEADERS)]
+            sid = data.draw(st.sampled_from([0] + opened), "window of")
+            inc = data.draw(st.sampled_from([1, 1000, 16384, 100_000, 1 << 20]), "increment")
+            if sid and runtime.initial() + runtime.updates.get(sid, 0) + inc > (1 << 31) - 1:
+                return
+            runtime.sends_window_update(sid, inc)
+            conn.from_server(window_update(sid, inc))
+        runtime.check(upstream)
+        assert not runtime.errors, runtime.errors[:3]
+
+    for _ in range(data.draw(st.integers(5, 60), "steps")):
+        step(data.draw(st.sampled_from(["client", "client", "settings", "ack", "window", "window"]), "action"))
+    while any(c[2] for c in calls):
+        step("client")
+    while acks_owed:
+        step("ack")
+    # the runtime opens its windows wide: everything held must now arrive
+    for sid in [0] + [c[0] for c in calls]:
+        inc = (1 << 31) - 1 - (runtime.initial() + runtime.updates.get(sid, 0)) if sid else 64 << 20
+        if inc > 0:
+            runtime.sends_window_update(sid, inc)
+            conn.from_server(window_update(sid, inc))
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    for sid, message, _ in calls:
+        rewritten = added(CREATE_CONTAINER, message)
+        assert bytes(runtime.messages.get(sid, b"")) == b"\x00" + len(rewritten).to_bytes(4, "big") + rewritten
+        assert sid in runtime.ended_streams
