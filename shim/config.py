@@ -238,6 +238,10 @@ OPTIONS: tuple[Option, ...] = (
            "seconds the crawl must last before the guard acts", "S"),
     Option("guard-cooldown", 300.0, _positive_float,
            "seconds a relaxed container must stay calm before its computed memory.high is restored", "S"),
+    Option("guard-state", "auto", _optional_path,
+           "file that keeps the guard's open episodes (relaxed containers and the memory.high to restore) so a "
+           "restarted shim resumes them; 'auto': guard-episodes.json next to the --listen socket; 'none': in "
+           "memory only (a restart leaves relaxed containers at max)", "FILE"),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
 

@@ -46,6 +46,7 @@ from shim.decision.guard import (
 )
 from shim.effects.cgroupfs import CgroupTree, PathRefused, split_path
 from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
+from shim.guard_episodes import REF_FIELDS, Episode, EpisodeFile
 from shim.node import KubeletFacts, is_cgroup_v2
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,7 @@ class Monitor:
         sources: Iterable[Callable[[], list[ContainerRef]]] = (),
         reconciler=None,
         clock: Callable[[], float] = time.monotonic,
+        episodes: EpisodeFile | None = None,
     ):
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
@@ -283,6 +285,10 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._idle: str | None = ""
+        # open guard episodes survive a restart through this file (None: in memory only)
+        self.episodes = episodes
+        self._resumed: dict[str, ContainerRef] | None = None  # loaded at the first round
+        self._saved: tuple = ()
 
     # -- lifecycle
     def start(self) -> "Monitor":
@@ -379,11 +385,18 @@ class Monitor:
         idle = self._layout()
         self._say_idle(idle)
         refs = self.refs() if idle is None else []
+        if self._resumed is None:
+            self._resume(now)
         if idle is None:
             # a container the guard relaxed stays watched while its cgroup exists, even if a
-            # source forgets it for a while: its episode must end with a restore, not be dropped
+            # source forgets it for a while: its episode must end with a restore, not be dropped;
+            # so do episodes a previous shim left (resumed once, at the first round that can look)
+            resumed, self._resumed = self._resumed, {}
             listed = {r.id for r in refs}
-            refs += [r for cid, r in self._last_ref.items() if cid not in listed]
+            for cid, r in list(self._last_ref.items()) + list(resumed.items()):
+                if cid not in listed:
+                    listed.add(cid)
+                    refs.append(r)
         readings: list[Reading] = []
         acted = []
         alive: set[str] = set()
@@ -411,11 +424,13 @@ class Monitor:
             if decision is not None:
                 acted.append((ref, decision))
             reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
-        for cid in [c for c in self._history if c not in alive]:
-            self._history.pop(cid, None)
-            self._states.pop(cid, None)
-        self._last_ref = {r.id: r for r in refs
-                          if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
+        if idle is None:
+            for cid in [c for c in set(self._history) | set(self._states) if c not in alive]:
+                self._history.pop(cid, None)
+                self._states.pop(cid, None)
+            self._last_ref = {r.id: r for r in refs
+                              if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
+            self._save_episodes()
         for cid in [c for c in self._paths if c not in alive]:
             self._paths.pop(cid, None)
         self._snapshot = MonitorSnapshot(
@@ -454,6 +469,41 @@ class Monitor:
             events=parse_flat_keyed(files.get("memory.events")),
             pressure=parse_pressure(files.get("memory.pressure")),
         )
+
+    # -- episodes across restarts
+    def _resume(self, now: float) -> None:
+        """Take over the episodes a previous shim left: each container's guard state as it was
+        (relaxed: the value to restore), its cool-down starting now."""
+        self._resumed = {}
+        if self.episodes is None:
+            return
+        for e in self.episodes.load():
+            ref = ContainerRef(**e.ref)
+            self._resumed[ref.id] = ref
+            self._states[ref.id] = GuardState(e.mode, now, e.restore_high)
+            log.info("guard: resuming the %s episode of %s (%s) left by the previous shim", e.mode, ref.label(),
+                     ref.id[:12])
+            self._emit({"event": "guard-resume", "container_id": ref.id, "pod": f"{ref.namespace}/{ref.pod}",
+                        "pod_uid": ref.uid, "container": ref.container, "mode": e.mode,
+                        "restore_high": e.restore_high})
+        self._saved = self._episode_key()
+
+    def _episode_key(self) -> tuple:
+        return tuple(sorted((cid, st.mode, st.restore_high) for cid, st in self._states.items() if st.mode != WATCH))
+
+    def _save_episodes(self) -> None:
+        if self.episodes is None:
+            return
+        key = self._episode_key()
+        if key == self._saved:
+            return
+        out = []
+        for cid, mode, high in key:
+            ref = self._last_ref.get(cid)
+            if ref is not None:
+                out.append(Episode({k: getattr(ref, k) for k in REF_FIELDS}, mode, high))
+        if self.episodes.save(out):
+            self._saved = key
 
     # -- the guard
     def _guard(self, ref: ContainerRef, rel: str, r: Reading, now: float):
@@ -576,4 +626,15 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
     if reconciler is not None:
         sources.append(lambda: refs_from_reconciler(reconciler))
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard_config(cfg), interval=interval,
-                   emit=emit, sources=sources, reconciler=reconciler)
+                   emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg))
+
+
+def episode_file(cfg) -> EpisodeFile | None:
+    """--guard-state: 'auto' is guard-episodes.json next to the shim's socket (a directory only
+    the shim writes); none keeps episodes in memory only."""
+    path = getattr(cfg, "guard_state", None)
+    if path == "auto":
+        from shim.transport.endpoints import socket_path
+
+        path = os.path.join(os.path.dirname(socket_path(cfg.listen)), "guard-episodes.json")
+    return EpisodeFile(path) if path else None
