@@ -915,6 +915,9 @@ def hog_progress(log_path: str) -> dict:
         if parts[1] == "start":
             last["started_wall"] = float(parts[-1])
             continue
+        if parts[1] == "freed":
+            last["freed_wall"] = float(parts[-1])
+            continue
         done = parts[1] == "done"
         try:
             mib = int(parts[2] if done else parts[1])
@@ -989,6 +992,9 @@ class GuardScenario:
       (+ margin) of the crawl the shim audits `guard-relax` and memory.high reads `max`; then
       the first is OOM-killed at memory.max (memory.events oom_kill, ContainerStatus
       OOMKilled/137) and the second completes.
+    * restart: that shim is killed -9 with the second still relaxed; a new shim resumes the
+      episode from the episode file, the hog frees its memory (SIGUSR1) and the new shim
+      restores the computed memory.high after the cool-down.
 
     Timings (crawl detection, relaxation, hog progress, crawl rate) go to the report
     (report["guard"]) and logs/guard-timeline.jsonl (every 0.25 s sample).
@@ -1067,12 +1073,12 @@ class GuardScenario:
         log(f"guard-{phase}: shim (guard action {action}) serving after {dt:.1f}s")
         self.cri = Cri(SHIM_SOCK)
 
-    def stop_shim(self) -> None:
+    def stop_shim(self, sig: int = signal.SIGTERM) -> None:
         if self.cri:
             self.cri.close()
             self.cri = None
         if self.shim and self.shim.proc and self.shim.proc.poll() is None:
-            self.shim.kill(signal.SIGTERM)
+            self.shim.kill(sig)
 
     def create_pod(self, name: str, target_mib: int) -> dict:
         """RunPodSandbox, CreateContainer, StartContainer through the shim, shaped like the
@@ -1376,6 +1382,84 @@ class GuardScenario:
         self.check(step, "/metrics", f"http://{self.metrics_address}/metrics memqos_container_memory_high_bytes"
                    f"{{container_id={done['id'][:12]}}}", "inf", m_high, "memory.high max shows as +Inf", "metrics")
         self.data["phases"]["guard"] = phase
+        self.relaxed_pods = (oom, done)
+        self.stop_shim(signal.SIGKILL)  # the restart phase takes over from a shim that had no say
+
+    def restart(self) -> None:
+        """The guard phase's shim was killed (-9) with guard-complete relaxed (memory.high max, its
+        hog holding 80 MiB). A new shim resumes the episode from the episode file; the hog gives
+        its memory back (SIGUSR1); after the cool-down of calm the new shim restores the computed
+        memory.high -- a restore on a real kernel, by a shim that did not relax it."""
+        step = "restart (guard episode resumed by a new shim)"
+        oom, done = self.relaxed_pods
+        subject = f"{done['name']}/hog (relaxed by the previous shim, hog holding {done['target']} MiB)"
+        cg = f"{CGROOT}{done['cg']}"
+        episodes = os.path.join(os.path.dirname(SHIM_SOCK), "guard-episodes.json")
+        try:
+            saved = json.load(open(episodes))["episodes"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            saved = []
+            log(f"guard: restart: {episodes}: {e}")
+        entry = next((e for e in saved if e.get("ref", {}).get("id") == done["id"]), None)
+        self.check(step, subject, f"{episodes} (after kill -9)", f"relaxed, restore_high {self.high}",
+                   f"{entry['mode']}, restore_high {entry['restore_high']}" if entry else "no entry",
+                   "written by the guard phase's shim when it relaxed the container", "episode file")
+        self.check(step, subject, f"{cg}/memory.high (before the new shim)", "max", cg_read(done["cg"], "memory.high"),
+                   "nobody restored it while no shim ran")
+        self.start_shim("restart", "relax", 19466)
+        t_shim = time.time()
+        pids = [int(x) for x in cg_read(done["cg"], "cgroup.procs").split()]
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        t_free = time.time()
+        log(f"guard: restart: new shim up, SIGUSR1 to the hog ({pids}): it gives its memory back")
+        restored: dict = {}
+
+        def finished(p: dict, s: dict) -> bool:
+            if not restored:
+                rec = self.audit(p, "guard-restore")
+                if rec:
+                    restored.update(rec)
+            return bool(restored) and s.get("high") not in (None, "max")
+
+        limit = self.cooldown + 4 * self.interval + self.slack + 30
+        done["finished"] = False  # watched again, from the guard phase's end
+        done.pop("timed_out", None)
+        self.watch("restart", [done], finished, limit)
+        resume = self.audit(done, "guard-resume")
+        self.check(step, subject, f"{self.shim.audit_log}: guard-resume for {done['id'][:12]}",
+                   f"mode relaxed, restore_high {self.high}",
+                   f"mode {resume.get('mode')}, restore_high {resume.get('restore_high')}" if resume else "no record",
+                   "the new shim took the episode over", "audit log")
+        gone = self.audit(oom, "guard-resume")
+        self.check(step, f"{oom['name']}/hog (OOM-killed: its cgroup is gone)",
+                   f"{self.shim.audit_log}: guard-resume for {oom['id'][:12]}", "none",
+                   "none" if gone is None else "present", "an episode of a container that is gone is dropped",
+                   "audit log")
+        freed = (done.get("hog") or {}).get("freed_wall")
+        calm_from = max(resume["time"] if resume else t_shim, freed or t_free)
+        after = round(restored["time"] - calm_from, 2) if restored else None
+        bound = self.cooldown + 2 * self.interval + self.slack
+        self.check(step, subject, f"{self.shim.audit_log}: guard-restore for {done['id'][:12]}",
+                   f"{self.cooldown - self.interval:g} s .. {bound:g} s after calm began (resume / memory freed)",
+                   f"{after} s, old {restored.get('old')} -> new {restored.get('new')}" if restored else "no record",
+                   f"cool-down {self.cooldown:g} restarted by the new shim + 2 intervals + slack {self.slack:g}",
+                   "audit log", ok=bool(restored) and self.cooldown - self.interval <= after <= bound
+                   and restored.get("old") == "max" and restored.get("new") == str(self.high))
+        end = done["samples"][-1] if done["samples"] else {}
+        self.check(step, subject, f"{cg}/memory.high (after guard-restore)", self.high, end.get("high"),
+                   "the computed value, written back by the new shim")
+        self.check(step, subject, f"{cg}/memory.current (after SIGUSR1)", f"< {self.at_high}", end.get("current"),
+                   "the hog gave its memory back: calm", ok=end.get("current") is not None
+                   and end["current"] < self.at_high)
+        left = json.load(open(episodes))["episodes"] if os.path.exists(episodes) else []
+        self.check(step, subject, f"{episodes} (after the restore)", "no episode", f"{len(left)} episode(s)",
+                   "the episode is over", "episode file", ok=not left)
+        self.data["phases"]["restart"] = {"pod": done["id"], "resume_record": resume, "restore_record": restored or None,
+                                          "restore_after_calm": after, "freed_wall": freed}
+        self.note(f"restart: the relaxing shim killed -9; a new shim resumed the episode of {done['name']} "
+                  f"(guard-resume, restore_high {self.high / MI:.0f} MiB), the hog freed its memory, and the new "
+                  f"shim restored memory.high {after}s after calm began (cool-down {self.cooldown:g}s)")
         self.stop_shim()
 
     def check_oom(self, step: str, subject: str, pod: dict, rec: dict | None, tm: dict) -> None:
@@ -1450,6 +1534,7 @@ class GuardScenario:
             raise InfraError(f"the guest has swap ({swaps}): anonymous memory could be swapped, no crawl to prove")
         self.control()
         self.guard()
+        self.restart()
         self.report.timing("guard:total", time.time() - t)
 
     def teardown(self) -> None:

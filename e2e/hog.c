@@ -10,7 +10,9 @@
  *
  * (MiB touched so far, seconds since start on CLOCK_MONOTONIC, CLOCK_REALTIME at that moment),
  * then, once the target is reached, `hog: done 96 MiB 7.345 s 1700000004.254`, and either
- * exits 0 or sleeps until SIGTERM/SIGINT (exit 0). Past memory.high the kernel makes the
+ * exits 0 or sleeps until SIGTERM/SIGINT (exit 0). Sleeping, SIGUSR1 makes it give its memory
+ * back to the kernel (`hog: freed 96 MiB ...`) and sleep on: the guard scenario's calm
+ * container, whose memory.high the guard restores. Past memory.high the kernel makes the
  * faulting task sleep: the lines come slowly (the crawl). At memory.max the kernel OOM-kills it
  * (exit 137 as the runtime reports it). Built static by e2e/build_images.py with `gcc -static`. */
 #include <signal.h>
@@ -23,9 +25,16 @@
 
 #define MIB (1024UL * 1024UL)
 
+static volatile sig_atomic_t free_requested;
+
 static void stop(int sig) {
     (void)sig;
     _exit(0);
+}
+
+static void request_free(int sig) {
+    (void)sig;
+    free_requested = 1;
 }
 
 static double now(clockid_t clock) {
@@ -70,6 +79,10 @@ int main(int argc, char **argv) {
     if (sigaction(SIGTERM, &sa, NULL) < 0 || sigaction(SIGINT, &sa, NULL) < 0) {
         return 1;
     }
+    sa.sa_handler = request_free;
+    if (sigaction(SIGUSR1, &sa, NULL) < 0) {
+        return 1;
+    }
     mem = mmap(NULL, target * MIB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
         perror("hog: mmap");
@@ -91,6 +104,11 @@ int main(int argc, char **argv) {
     }
     for (;;) {
         pause();
+        if (free_requested) {
+            free_requested = 0;
+            (void)madvise(mem, target * MIB, MADV_DONTNEED);
+            say("freed ", target, t0);
+        }
     }
     return 0;
 }

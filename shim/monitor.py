@@ -387,6 +387,7 @@ class Monitor:
         refs = self.refs() if idle is None else []
         if self._resumed is None:
             self._resume(now)
+        resumed: dict[str, ContainerRef] = {}
         if idle is None:
             # a container the guard relaxed stays watched while its cgroup exists, even if a
             # source forgets it for a while: its episode must end with a restore, not be dropped;
@@ -418,12 +419,18 @@ class Monitor:
                 self._error(f"read/{ref.id}", f"reading {self.fs.abspath(rel)}: {e}")
                 continue
             alive.add(ref.id)
+            if ref.id in resumed:
+                self._resumed_alive(ref, rel)
             reading = self._reading(ref, rel, files)
             readings.append(reading)
             decision = self._guard(ref, rel, reading, now)
             if decision is not None:
                 acted.append((ref, decision))
             reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
+        for cid in resumed:
+            if cid not in alive:
+                log.info("guard: the episode of container %s left by the previous shim is over: its cgroup is gone",
+                         cid[:12])
         if idle is None:
             for cid in [c for c in set(self._history) | set(self._states) if c not in alive]:
                 self._history.pop(cid, None)
@@ -481,12 +488,17 @@ class Monitor:
             ref = ContainerRef(**e.ref)
             self._resumed[ref.id] = ref
             self._states[ref.id] = GuardState(e.mode, now, e.restore_high)
-            log.info("guard: resuming the %s episode of %s (%s) left by the previous shim", e.mode, ref.label(),
-                     ref.id[:12])
-            self._emit({"event": "guard-resume", "container_id": ref.id, "pod": f"{ref.namespace}/{ref.pod}",
-                        "pod_uid": ref.uid, "container": ref.container, "mode": e.mode,
-                        "restore_high": e.restore_high})
         self._saved = self._episode_key()
+
+    def _resumed_alive(self, ref: ContainerRef, rel: str) -> None:
+        st = self._states.get(ref.id)
+        if st is None or st.mode == WATCH:
+            return
+        log.info("guard: resuming the %s episode of %s (%s) left by the previous shim", st.mode, ref.label(),
+                 ref.id[:12])
+        self._emit({"event": "guard-resume", "container_id": ref.id, "pod": f"{ref.namespace}/{ref.pod}",
+                    "pod_uid": ref.uid, "container": ref.container, "path": self.fs.abspath(rel), "mode": st.mode,
+                    "restore_high": st.restore_high})
 
     def _episode_key(self) -> tuple:
         return tuple(sorted((cid, st.mode, st.restore_high) for cid, st in self._states.items() if st.mode != WATCH))

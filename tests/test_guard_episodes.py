@@ -118,6 +118,7 @@ def test_episode_of_a_container_that_is_gone_is_dropped(tmp_path):
     second.tick()
     assert second.guard_states() == {}
     assert not path.exists()
+    assert [r["event"] for r in records if r["event"].startswith("guard-")] == ["guard-relax"]  # no resume
 
 
 def _episode_doc(**over) -> dict:
