@@ -1,7 +1,7 @@
 """The reconciler's own, direct connection to the runtime (not through the proxy): listings
 and statuses to rebuild the node state after a restart and to resync periodically.
 
-Synchronous gRPC, used only from the reconciler's thread.
+Synchronous unary gRPC calls (shim.transport.unary_client), used only from the reconciler's thread.
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import posixpath
 import time
 from types import MappingProxyType
 from typing import Any
-
-import grpc
 
 from shim.cri import pb
 from shim.decision import PodFacts
@@ -24,7 +22,7 @@ from shim.node_state import (
     container_request,
     derive_request,
 )
-from shim.transport.endpoints import grpc_target
+from shim.transport.unary_client import CallError, UnaryClient
 
 log = logging.getLogger(__name__)
 _RS = "/runtime.v1.RuntimeService/"
@@ -37,28 +35,26 @@ class RuntimeUnavailable(Exception):
 
 
 class RuntimeClient:
+    """The CRI calls the reconciler needs, on a small blocking HTTP/2 client
+    (``shim.transport.unary_client``: no grpcio in a `serve` that runs the relay)."""
+
     def __init__(self, endpoint: str, *, timeout: float = 10.0):
-        self.target = grpc_target(endpoint)
+        self.endpoint = endpoint
         self.timeout = timeout
-        size = 128 * 1024 * 1024
-        self._channel = grpc.insecure_channel(
-            self.target,
-            options=(("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-                     ("grpc.max_reconnect_backoff_ms", 1000)),
-        )
+        self._client = UnaryClient(endpoint, max_message_bytes=128 * 1024 * 1024)
 
     def close(self) -> None:
-        self._channel.close()
+        self._client.close()
 
     def _call(self, name: str, request: Any, response_cls: Any) -> Any:
-        method = _RS + name
-        fn = self._channel.unary_unary(method, request_serializer=type(request).SerializeToString,
-                                       response_deserializer=response_cls.FromString)
         try:
-            return fn(request, timeout=self.timeout)
-        except grpc.RpcError as e:
-            code = e.code().name if e.code() is not None else "UNKNOWN"
-            raise RuntimeUnavailable(name, code, e.details() or "") from None
+            raw = self._client.call(_RS + name, request.SerializeToString(), self.timeout)
+        except CallError as e:
+            raise RuntimeUnavailable(name, e.code, e.details) from None
+        try:
+            return response_cls.FromString(raw)
+        except Exception as e:  # noqa: BLE001 - a runtime answering garbage
+            raise RuntimeUnavailable(name, "INTERNAL", f"undecodable answer: {e}") from None
 
     def list_sandboxes(self) -> list:
         return list(self._call("ListPodSandbox", pb.ListPodSandboxRequest(), pb.ListPodSandboxResponse).items)

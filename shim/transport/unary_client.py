@@ -1,0 +1,344 @@
+"""A small blocking gRPC client for unary calls over HTTP/2 on a unix socket.
+
+The reconciler lists sandboxes and containers and asks for their statuses straight from the
+runtime, from its own thread, a few calls every resync. grpcio did that at the price of about
+9 MiB of resident memory in every `serve` (the relay transport needs no grpcio); this client
+speaks just enough HTTP/2 for it:
+
+* one connection, opened on the first call and again after any failure; calls one at a time;
+* the request: HEADERS (HPACK literals without indexing, so the runtime's decoder table is
+  never touched by us) and one DATA frame sequence within the runtime's flow-control windows;
+* the answer: every header block decoded (``hpack_lite.Decoder``: the runtime's dynamic table
+  must be followed), DATA collected; trailers or a trailers-only answer give grpc-status and
+  grpc-message. We advertise windows large enough for any answer up to ``max_message_bytes``
+  and give the connection window back after each call;
+* SETTINGS acknowledged, PING answered, GOAWAY and RST_STREAM mapped to gRPC status codes as
+  grpc does (UNAVAILABLE for a refused or lost connection, DEADLINE_EXCEEDED past the timeout).
+
+``CallError.code`` is the status name (``NOT_FOUND``, ``UNAVAILABLE``...). No compression, no
+TLS, no streaming: what the reconciler, ``reset`` and ``doctor`` need.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+from shim.transport.endpoints import socket_path
+from shim.transport.hpack_lite import Decoder, HpackError, literal
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+MAX_WINDOW = (1 << 31) - 1
+STATUS_NAMES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+)
+# RST_STREAM / GOAWAY error code -> status, as grpc maps them
+RST_STATUS = {0x7: "UNAVAILABLE", 0x8: "CANCELLED", 0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED"}
+
+
+class CallError(Exception):
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}" if details else code)
+        self.code = code
+        self.details = details
+
+
+class _Broken(Exception):
+    """The connection cannot be used any more (its HTTP/2 state is lost or it closed)."""
+
+
+class _NotProcessed(_Broken):
+    """The runtime is going away and did not take our stream (GOAWAY below its id)."""
+
+
+def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big") + payload
+
+
+def _percent_decode(raw: bytes) -> str:
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        if raw[i] == 0x25 and i + 3 <= len(raw):
+            try:
+                out.append(int(raw[i + 1:i + 3], 16))
+                i += 3
+                continue
+            except ValueError:
+                pass
+        out.append(raw[i])
+        i += 1
+    return out.decode("utf-8", "replace")
+
+
+def _timeout_header(seconds: float) -> bytes:
+    ms = max(1, int(seconds * 1000))
+    return f"{ms}m".encode() if ms < 10**8 else f"{max(1, int(seconds))}S".encode()
+
+
+class UnaryClient:
+    def __init__(self, endpoint: str, *, max_message_bytes: int = 128 * 1024 * 1024,
+                 connect_timeout: float = 5.0, receive_window: int = MAX_WINDOW) -> None:
+        self.path = socket_path(endpoint)
+        if not 65535 <= receive_window <= MAX_WINDOW:
+            raise ValueError(f"receive_window must be in 65535..{MAX_WINDOW}, not {receive_window}")
+        self.receive_window = receive_window
+        self.max_message_bytes = max_message_bytes
+        self.connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._next_sid = 1
+        self._decoder = Decoder()
+        self._send_conn = 65535
+        self._send_initial = 65535
+        self._max_frame = 16384
+        self._goaway = False
+        self._owed = 0  # connection window to give back to the runtime
+
+    # -- connection
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+
+    def _connect(self, deadline: float) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(max(0.001, min(self.connect_timeout, deadline - time.monotonic())))
+            s.connect(self.path)
+        except OSError as e:
+            s.close()
+            raise CallError("UNAVAILABLE", f"cannot connect to unix://{self.path}: {e}") from None
+        self._sock = s
+        self._buf = bytearray()
+        self._next_sid = 1
+        self._decoder = Decoder()
+        self._send_conn = 65535
+        self._send_initial = 65535
+        self._max_frame = 16384
+        self._goaway = False
+        self._owed = 0
+        # no server push; stream and connection windows as large as HTTP/2 allows (by default):
+        # answers never wait for a WINDOW_UPDATE from us, the connection's is given back after
+        # each call
+        w = self.receive_window
+        settings = (0x2).to_bytes(2, "big") + (0).to_bytes(4, "big") + (0x4).to_bytes(2, "big") + w.to_bytes(4, "big")
+        self._send(PREFACE + _frame(SETTINGS, 0, 0, settings) +
+                   (_frame(WINDOW_UPDATE, 0, 0, (w - 65535).to_bytes(4, "big")) if w > 65535 else b""))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            raise _Broken(f"write: {e}") from None
+
+    def _read_frame(self, deadline: float) -> tuple[int, int, int, bytes]:
+        buf = self._buf
+        while True:
+            if len(buf) >= 9:
+                n = int.from_bytes(buf[:3], "big")
+                if len(buf) >= 9 + n:
+                    f = (buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF, bytes(buf[9:9 + n]))
+                    del buf[:9 + n]
+                    return f
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._sock.settimeout(left)
+            try:
+                chunk = self._sock.recv(1 << 20)
+            except socket.timeout:
+                raise TimeoutError from None
+            except OSError as e:
+                raise _Broken(f"read: {e}") from None
+            if not chunk:
+                raise _Broken("the runtime closed the connection")
+            buf += chunk
+
+    # -- calls
+    def call(self, method: str, request: bytes, timeout: float) -> bytes:
+        """The answer's message bytes; CallError with the gRPC status otherwise.
+
+        A connection that was idle may have been closed by the runtime meanwhile: when a call
+        on a reused connection finds it closed (or refused by GOAWAY) before any answer, it is
+        made once more on a new connection. Every caller's calls are reads (lists, statuses,
+        Version), so a repeat is harmless."""
+        deadline = time.monotonic() + timeout
+        for attempt in (1, 2):
+            fresh = self._sock is None or self._goaway or self._next_sid > MAX_WINDOW - 2
+            if fresh:
+                self.close()
+                self._connect(deadline)
+            try:
+                return self._attempt(method, request, timeout, deadline)
+            except _Broken as e:
+                self.close()
+                if fresh or attempt == 2 or time.monotonic() >= deadline:
+                    raise CallError("UNAVAILABLE", f"{method}: connection to unix://{self.path} lost ({e})") from None
+        raise AssertionError("unreachable")
+
+    def _attempt(self, method: str, request: bytes, timeout: float, deadline: float) -> bytes:
+        sid = self._next_sid
+        self._next_sid += 2
+        try:
+            try:
+                return self._call(sid, method, request, timeout, deadline)
+            finally:
+                if self._sock is not None and self._owed:
+                    self._give_back()
+        except TimeoutError:
+            self.close()  # the stream's state is unknown: start afresh next time
+            raise CallError("DEADLINE_EXCEEDED", f"no answer to {method} within {timeout:g} s") from None
+        except HpackError as e:
+            self.close()
+            raise CallError("INTERNAL", f"{method}: undecodable header block from the runtime ({e})") from None
+
+    def _call(self, sid: int, method: str, request: bytes, timeout: float, deadline: float) -> bytes:
+        block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", method.encode())
+                 + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
+                 + literal(b"te", b"trailers") + literal(b"grpc-timeout", _timeout_header(timeout)))
+        message = b"\x00" + len(request).to_bytes(4, "big") + request
+        self._send(_frame(HEADERS, END_HEADERS, sid, block))
+        stream_window = self._send_initial
+        sent = 0
+        body = bytearray()
+        headers_seen = False
+        status: str | None = None
+        details = ""
+        http_status = b""
+        header_block = None  # (flags, bytes) of a HEADERS waiting for CONTINUATION
+        while True:
+            while sent < len(message):
+                room = min(self._send_conn, stream_window, self._max_frame, len(message) - sent)
+                if room <= 0:
+                    break
+                last = sent + room == len(message)
+                self._send(_frame(DATA, END_STREAM if last else 0, sid, message[sent:sent + room]))
+                sent += room
+                self._send_conn -= room
+                stream_window -= room
+            ftype, flags, fsid, payload = self._read_frame(deadline)
+            if header_block is not None:
+                if ftype != CONTINUATION or fsid != header_block[2]:
+                    raise _Broken("header block interrupted")
+                header_block = (header_block[0] | (flags & END_HEADERS), header_block[1] + payload, header_block[2])
+                if not flags & END_HEADERS:
+                    continue
+                ftype, flags, fsid, payload = HEADERS, header_block[0], header_block[2], header_block[1]
+                header_block = None
+                decoded = True
+            else:
+                decoded = False
+            if ftype == SETTINGS:
+                if not flags & ACK:
+                    stream_window += self._settings(payload)
+                    self._send(_frame(SETTINGS, ACK, 0))  # before any more DATA of ours
+            elif ftype == PING:
+                if not flags & ACK:
+                    self._send(_frame(PING, ACK, 0, payload))
+            elif ftype == WINDOW_UPDATE:
+                inc = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+                if fsid == 0:
+                    self._send_conn += inc
+                elif fsid == sid:
+                    stream_window += inc
+            elif ftype == GOAWAY:
+                self._goaway = True
+                last_sid = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+                if last_sid < sid:
+                    raise _NotProcessed("the runtime is going away (GOAWAY) and did not take the call")
+            elif ftype == RST_STREAM and fsid == sid:
+                code = int.from_bytes(payload[:4], "big")
+                raise CallError(RST_STATUS.get(code, "INTERNAL"), f"{method}: stream reset by the runtime "
+                                                                  f"(HTTP/2 error code {code})")
+            elif ftype in (HEADERS, PUSH_PROMISE):
+                if not decoded:
+                    start, stop = 0, len(payload)
+                    if flags & PADDED:
+                        stop -= payload[0]
+                        start = 1
+                    if ftype == PUSH_PROMISE:
+                        start += 4
+                    elif flags & PRIORITY_FLAG:
+                        start += 5
+                    if not flags & END_HEADERS:
+                        header_block = (flags & END_STREAM, payload[start:stop], fsid)
+                        continue
+                    payload = payload[start:stop]
+                headers = self._decoder.decode(payload)  # every block: the table must be followed
+                if ftype == PUSH_PROMISE or fsid != sid:
+                    continue
+                for name, value in headers:
+                    if name == b":status":
+                        http_status = value
+                    elif name == b"grpc-status":
+                        try:
+                            status = STATUS_NAMES[int(value)]
+                        except (ValueError, IndexError):
+                            status = "UNKNOWN"
+                    elif name == b"grpc-message":
+                        details = _percent_decode(value)
+                headers_seen = True
+                if flags & END_STREAM:
+                    break
+            elif ftype == DATA:
+                self._owed += len(payload)  # flow control counts padding too
+                data = payload
+                if flags & PADDED:
+                    data = payload[1:len(payload) - payload[0]]
+                if fsid == sid:
+                    body += data
+                    if len(body) > self.max_message_bytes + 5:
+                        self._send(_frame(RST_STREAM, 0, sid, (0x8).to_bytes(4, "big")))
+                        raise CallError("RESOURCE_EXHAUSTED", f"{method}: answer larger than "
+                                                              f"{self.max_message_bytes} bytes")
+                    if flags & END_STREAM:
+                        status = status or "UNKNOWN"
+                        details = details or "the runtime ended the stream without trailers"
+                        break
+        if status is None:
+            if headers_seen and http_status and http_status != b"200":
+                raise CallError("UNAVAILABLE" if http_status in (b"502", b"503", b"504") else "UNKNOWN",
+                                f"{method}: HTTP status {http_status.decode('ascii', 'replace')}")
+            raise CallError("UNKNOWN", f"{method}: the runtime's answer has no grpc-status")
+        if status != "OK":
+            raise CallError(status, details)
+        if len(body) < 5:
+            raise CallError("INTERNAL", f"{method}: no message in the answer")
+        if body[0] & 1:
+            raise CallError("INTERNAL", f"{method}: compressed answer (not asked for)")
+        n = int.from_bytes(body[1:5], "big")
+        if n != len(body) - 5:
+            raise CallError("INTERNAL", f"{method}: answer of {len(body) - 5} bytes for a message of {n}")
+        return bytes(body[5:])
+
+    def _settings(self, payload: bytes) -> int:
+        """Apply the runtime's SETTINGS; returns the change of the initial stream window."""
+        delta = 0
+        for i in range(0, len(payload) - 5, 6):
+            ident = int.from_bytes(payload[i:i + 2], "big")
+            value = int.from_bytes(payload[i + 2:i + 6], "big")
+            if ident == 0x4:
+                delta += value - self._send_initial
+                self._send_initial = value
+            elif ident == 0x5:
+                self._max_frame = max(16384, min(value, 1 << 24))
+        return delta
+
+    def _give_back(self) -> None:
+        """The connection window the answers used (each stream's closes with it)."""
+        n, self._owed = self._owed, 0
+        if n > 0:
+            try:
+                self._send(_frame(WINDOW_UPDATE, 0, 0, n.to_bytes(4, "big")))
+            except _Broken:
+                self.close()  # the next call reconnects; this one has its answer
