@@ -1437,11 +1437,19 @@ class GuardScenario:
                    "none" if gone is None else "present", "an episode of a container that is gone is dropped",
                    "audit log")
         freed = (done.get("hog") or {}).get("freed_wall")
-        calm_from = max(resume["time"] if resume else t_shim, freed or t_free)
+        # calm began: the first sample after the resume and the free that meets the guard's own
+        # calm condition (PSI full avg10 below half the threshold -- avg10 still decays from the
+        # crawl for several seconds -- and memory.current below memory.high minus the margin)
+        start = max(resume["time"] if resume else t_shim, freed or t_free)
+        calm = next((x for x in done["samples"] if x["wall"] >= start and x.get("full") is not None
+                     and x["full"] < self.threshold / 2 and x.get("current") is not None
+                     and x["current"] < self.at_high), None)
+        calm_from = calm["wall"] if calm else start
         after = round(restored["time"] - calm_from, 2) if restored else None
         bound = self.cooldown + 2 * self.interval + self.slack
         self.check(step, subject, f"{self.shim.audit_log}: guard-restore for {done['id'][:12]}",
-                   f"{self.cooldown - self.interval:g} s .. {bound:g} s after calm began (resume / memory freed)",
+                   f"{self.cooldown - self.interval:g} s .. {bound:g} s after calm began "
+                   f"({round(calm_from - start, 2) if calm else 'never'} s after resume and free)",
                    f"{after} s, old {restored.get('old')} -> new {restored.get('new')}" if restored else "no record",
                    f"cool-down {self.cooldown:g} restarted by the new shim + 2 intervals + slack {self.slack:g}",
                    "audit log", ok=bool(restored) and self.cooldown - self.interval <= after <= bound
@@ -1456,7 +1464,8 @@ class GuardScenario:
         self.check(step, subject, f"{episodes} (after the restore)", "no episode", f"{len(left)} episode(s)",
                    "the episode is over", "episode file", ok=not left)
         self.data["phases"]["restart"] = {"pod": done["id"], "resume_record": resume, "restore_record": restored or None,
-                                          "restore_after_calm": after, "freed_wall": freed}
+                                          "restore_after_calm": after, "freed_wall": freed,
+                                          "calm_after_resume_and_free": calm and round(calm_from - start, 2)}
         self.note(f"restart: the relaxing shim killed -9; a new shim resumed the episode of {done['name']} "
                   f"(guard-resume, restore_high {self.high / MI:.0f} MiB), the hog freed its memory, and the new "
                   f"shim restored memory.high {after}s after calm began (cool-down {self.cooldown:g}s)")
