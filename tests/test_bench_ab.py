@@ -28,3 +28,15 @@ def test_bench_ab_runs_both_versions_and_cleans_up():
         m = result["median"][t]
         assert m["rewrite_extra"] == m["create"] - m["passthrough"]
     assert _worktrees() == before
+
+
+def test_replay_slices_keep_every_call_once_in_order():
+    from shim.bench import replay_slices
+
+    schedule = [(0.1, "a", b"1"), (0.9, "b", b"2"), (1.0, "c", b"3"), (2.5, "d", b"4"), (2.99, "e", b"5")]
+    parts = replay_slices(schedule, 1.0)
+    assert [[c[1] for c in p] for p in parts] == [["a", "b"], ["c"], ["d", "e"]]
+    assert all(0 <= c[0] < 1.0 for p in parts for c in p)
+    assert [(round(c[0] + k * 1.0, 6), c[1], c[2]) for k, p in enumerate(parts) for c in p] == schedule
+    gap = replay_slices([(0.5, "a", b""), (3.5, "b", b"")], 1.0)  # empty seconds are left out
+    assert [[c[1] for c in p] for p in gap] == [["a"], ["b"]]
