@@ -484,11 +484,35 @@ class Doctor:
         desc = (f"action {self.cfg.guard_action}: full avg10 >= {self.cfg.guard_threshold:g}% for "
                 f"{self.cfg.guard_window:g} s at memory.high; restore after {self.cfg.guard_cooldown:g} s calm; "
                 f"sampled every {interval:g} s")
+        details, problems = self._guard_episodes()
         if self.cfg.guard_action == "none":
-            return Result(name, WARN, desc, ["report only: a container past memory.high keeps crawling"])
+            return Result(name, WARN, desc, ["report only: a container past memory.high keeps crawling"] + details)
         if self.cfg.guard_window < 2 * interval:
-            return Result(name, WARN, desc, ["the window is shorter than two samples: one sample decides"])
-        return Result(name, PASS, desc)
+            return Result(name, WARN, desc, ["the window is shorter than two samples: one sample decides"] + details)
+        if problems:
+            return Result(name, WARN, desc, problems + details)
+        return Result(name, PASS, desc, details)
+
+    def _guard_episodes(self) -> tuple[list[str], list[str]]:
+        """(details, problems): where open guard episodes are kept and which are open now."""
+        from shim.monitor import episode_file
+
+        try:
+            episodes = episode_file(self.cfg)
+        except ValueError as e:
+            return [], [f"guard state: {e}"]
+        if episodes is None:
+            return ["episodes in memory only (--guard-state none): a restart leaves relaxed containers at max"], []
+        found = episodes.load()
+        details = [f"episodes kept in {episodes.path}: {len(found)} open"]
+        for e in found[:10]:
+            r = e.ref
+            what = f"restore {e.restore_high}" if e.restore_high else "reported"
+            details.append(f"  {e.mode}: {r['namespace']}/{r['pod']}/{r['container']} ({r['id'][:12]}), {what}")
+        if len(found) > 10:
+            details.append(f"  ... and {len(found) - 10} more")
+        problems = [f"{episodes.path}: {episodes.problem}"] if episodes.problem else []
+        return details, problems
 
     def check_metrics(self) -> Result:
         from shim.metrics import is_loopback, split_address

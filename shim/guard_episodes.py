@@ -62,15 +62,18 @@ def _valid(entry: object) -> Episode | None:
 class EpisodeFile:
     def __init__(self, path: str) -> None:
         self.path = path
+        self.problem = ""  # why the last load() ignored the file or some entries ("" if it did not)
 
     def load(self) -> list[Episode]:
         """The episodes a previous shim left; [] when there is no file or it cannot be trusted
-        (logged)."""
+        (logged; ``problem`` says why)."""
+        self.problem = ""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return []
         except OSError as e:
+            self.problem = f"cannot open it: {e}"
             log.warning("guard episodes: cannot open %s: %s; starting without them", self.path, e)
             return []
         try:
@@ -85,6 +88,7 @@ class EpisodeFile:
             elif st.st_size > MAX_FILE_BYTES:
                 why = f"{st.st_size} bytes, more than {MAX_FILE_BYTES}"
             if why:
+                self.problem = f"ignored: {why}"
                 log.warning("guard episodes: ignoring %s: %s", self.path, why)
                 return []
             raw = os.read(fd, MAX_FILE_BYTES + 1)
@@ -93,9 +97,11 @@ class EpisodeFile:
         try:
             doc = json.loads(raw)
         except ValueError as e:
+            self.problem = f"ignored: not JSON ({e})"
             log.warning("guard episodes: ignoring %s: not JSON (%s)", self.path, e)
             return []
         if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("episodes"), list):
+            self.problem = f"ignored: not a version {VERSION} episode file"
             log.warning("guard episodes: ignoring %s: not a version %d episode file", self.path, VERSION)
             return []
         out = []
@@ -107,6 +113,7 @@ class EpisodeFile:
             else:
                 out.append(e)
         if bad:
+            self.problem = f"{bad} malformed entries ignored"
             log.warning("guard episodes: %d malformed entries in %s ignored", bad, self.path)
         return out
 

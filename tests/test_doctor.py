@@ -291,3 +291,28 @@ def test_cli_registers_doctor():
 
     args = build_parser().parse_args(["doctor", "--cgroup-root", "/x"])
     assert args.func is cmd_doctor
+
+
+def test_guard_episodes_are_listed_and_a_forged_file_warns(node):
+    """doctor shows where the guard keeps its open episodes and which are open; a file the shim
+    would not trust (writable by others) is a WARN saying why."""
+    import json as _json
+
+    shim_dir = node / "shim"
+    shim_dir.mkdir()
+    path = shim_dir / "guard-episodes.json"
+    r = doctor_for(node, fake_proc(node))["memory.high guard"]
+    assert r.verdict == PASS and r.details == [f"episodes kept in {path}: 0 open"]
+    ref = {"id": "ab" * 32, "namespace": "default", "pod": "web-1", "container": "app", "uid": UID,
+           "cgroup_parent": f"/kubepods/burstable/pod{UID}", "qos": "Burstable"}
+    path.write_text(_json.dumps({"version": 1, "episodes": [{"ref": ref, "mode": "relaxed", "restore_high": 37748736}]}))
+    os.chmod(path, 0o600)
+    r = doctor_for(node, fake_proc(node))["memory.high guard"]
+    assert r.verdict == PASS
+    assert r.details == [f"episodes kept in {path}: 1 open",
+                         f"  relaxed: default/web-1/app ({'ab' * 6}), restore 37748736"]
+    os.chmod(path, 0o666)
+    r = doctor_for(node, fake_proc(node))["memory.high guard"]
+    assert r.verdict == WARN and "writable by others" in r.details[0]
+    r = doctor_for(node, fake_proc(node), guard_state="none")["memory.high guard"]
+    assert r.verdict == PASS and "memory only" in r.details[0]
