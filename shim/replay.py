@@ -1,7 +1,7 @@
 """`memqos-shim replay`: run a recorded trace through the shim's real request path.
 
-The request path is the one `serve` runs: a real ``CriProxy`` on a real unix socket with the
-hooks built by ``shim.service.build_container_qos`` / ``build_request_hooks``. Upstream is a
+The request path is the one `serve` runs: a real transport (the HTTP/2 relay by default, like
+`serve`; ``--transport grpc`` for the grpcio proxy) on a real unix socket with the hooks built by ``shim.service.build_container_qos`` / ``build_request_hooks``. Upstream is a
 ``TraceRuntime`` answering every call with the recorded answer (so container ids and sandbox
 facts are the recorded ones). A grpc client sends every recorded request, one at a time, in
 recorded start order, with the call's seq as ``memqos-replay-seq`` metadata (see
@@ -259,10 +259,17 @@ def ordered_record(seq: int | None, record: dict) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT) -> ReplayResult:
+async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
+                       transport: str = "relay") -> ReplayResult:
     from shim.service import build_container_qos, build_request_hooks
     from shim.trace_runtime import TraceRuntime
-    from shim.transport.proxy import CriProxy
+
+    if transport == "relay":
+        from shim.transport.relay import RelayProxy as Proxy
+    elif transport == "grpc":
+        from shim.transport.proxy import CriProxy as Proxy
+    else:
+        raise ReplayError(f"unknown transport {transport!r}: relay or grpc")
 
     result = ReplayResult(trace=trace.path, settings=settings)
     t0 = time.perf_counter()
@@ -279,7 +286,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
     proxy = None
     try:
         await runtime.start(os.path.join(workdir, "runtime.sock"))
-        proxy = CriProxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks)
+        proxy = Proxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks)
         await proxy.start()
 
         def before(call: TraceCall) -> None:
@@ -317,9 +324,11 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
     return result
 
 
-def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT) -> ReplayResult:
-    """Synchronous wrapper (its own event loop)."""
-    return asyncio.run(replay_async(trace, settings, timeout=timeout))
+def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
+           transport: str = "relay") -> ReplayResult:
+    """Synchronous wrapper (its own event loop). ``transport``: the request path's transport,
+    relay (serve's default) or grpc."""
+    return asyncio.run(replay_async(trace, settings, timeout=timeout, transport=transport))
 
 
 def replay_file(path: str, **overrides: Any) -> ReplayResult:
@@ -403,7 +412,7 @@ def load_records(path: str) -> list[dict]:
 def _replay_options():
     from shim.config import OPTIONS
 
-    wanted = ("node-allocatable", "factor", "policy", "page-size")
+    wanted = ("node-allocatable", "factor", "policy", "page-size", "transport")
     return tuple(o for o in OPTIONS if o.name in wanted)
 
 
@@ -440,7 +449,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             settings.origin[key] = f"--config {args.config}"
     for problem in trace.problems:
         print(f"memqos-shim replay: note: {problem}", file=err)
-    result = replay(trace, settings)
+    result = replay(trace, settings, transport=cfg.transport)
     if args.json:
         out.write(records_jsonl(result.records))
     else:

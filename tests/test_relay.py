@@ -633,23 +633,21 @@ def test_threaded_relay_on_uvloop(loop, base):
 
 @pytest.mark.parametrize("name", ["kubelet-1.23-cgroupfs-memqos-off.jsonl", "kubelet-1.23-cgroupfs-memqos-on.jsonl",
                                   "recorder-smoke.jsonl"])
-def test_kubelet_trace_replays_identically_through_both_transports(monkeypatch, name):
+def test_kubelet_trace_replays_identically_through_both_transports(name):
     """`memqos-shim replay` drives the trace through the real request path; swapping the
     transport under it must change nothing: no replay problem, the same audit records, the
     same bytes at the runtime."""
     path = os.path.join(TRACES, name)
     if not os.path.exists(path):
         pytest.skip(f"{path} not found")
-    import shim.transport.proxy as proxy_module
     from shim.replay import replay, replay_settings
     from shim.evidence.trace import read_trace
 
     trace = read_trace(path)
     settings = replay_settings(trace.header)
     results = {}
-    for transport, cls in (("grpc", proxy_module.CriProxy), ("relay", RelayProxy)):
-        monkeypatch.setattr(proxy_module, "CriProxy", cls)
-        results[transport] = replay(trace, settings)
+    for transport in ("grpc", "relay"):
+        results[transport] = replay(trace, settings, transport=transport)
     grpc_r, relay_r = results["grpc"], results["relay"]
     assert grpc_r.problems == [] and relay_r.problems == []
     assert relay_r.calls == grpc_r.calls == len(trace.calls)
