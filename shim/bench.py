@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from shim.shared import shared_path
+
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
+DEFAULT_TRACE = shared_path("traces", "kubelet-1.23-cgroupfs-memqos-off.jsonl")
 
 RS = "/runtime.v1.RuntimeService/"
 IS = "/runtime.v1.ImageService/"

@@ -19,8 +19,10 @@ import sys
 
 import pytest
 
+from shim.shared import shared_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.environ.get("E2E_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
+SHARED = os.environ.get("E2E_SHARED") or str(shared_path())
 TRACES = os.path.join(SHARED, "traces")
 sys.path.insert(0, os.path.join(ROOT, "e2e"))
 

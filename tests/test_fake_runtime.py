@@ -27,9 +27,10 @@ from shim.fake_runtime import (
     FakeRuntimeServer,
     serve_fake_runtime,
 )
+from shim.shared import shared_path
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = shared_path("traces")
 TRACE_OFF = TRACES / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
 TRACE_ON = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
 NOT_FOUND = grpc.StatusCode.NOT_FOUND

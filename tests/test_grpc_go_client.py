@@ -48,6 +48,7 @@ import shim.fake_runtime.runtime as fake_runtime_module
 from shim.cri import pb
 from shim.fake_runtime import FakeRuntimeServer
 from shim.kubelet_requests import create_container, sandbox_config
+from shim.shared import shared_path
 
 try:
     from tests.test_serve import ALLOC, CAPACITY, Shim, expected_high, short_dir
@@ -59,7 +60,7 @@ except ImportError:  # run from inside tests/
 HERE = Path(__file__).resolve().parent
 GO_SOURCE = HERE / "grpcgo" / "main.go"
 GOPATH = "/usr/share/gocode"
-TRACE = HERE.parent.parent / "shared" / "traces" / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
+TRACE = shared_path("traces", "kubelet-1.23-cgroupfs-memqos-off.jsonl")
 MI = 2**20
 TRANSPORTS = ["relay", "grpc"]
 

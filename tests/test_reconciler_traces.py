@@ -28,9 +28,10 @@ from shim.replay import drive, replay_settings
 from shim.service import build_container_qos, build_request_hooks
 from shim.trace_runtime import TraceRuntime
 from shim.transport.proxy import CriProxy
+from shim.shared import shared_path
 from tests.reconciler_support import FakeCgroupTree
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = shared_path("traces")
 ON = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
 OFF = TRACES / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
 MI = 2**20

@@ -16,9 +16,10 @@ import pytest
 from shim.evidence.recorder import HIGH_VOLUME_METHODS, MethodFilter, Recorder, shim_header
 from shim.evidence.trace import TraceCall, TraceError, make_header, read_trace
 from shim.transport.hooks import CREATE_CONTAINER, FinishedCall
+from shim.shared import shared_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = shared_path("traces")
 needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
 
 VERSION = "/runtime.v1.RuntimeService/Version"

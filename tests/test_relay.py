@@ -18,6 +18,7 @@ import pytest
 
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
 from shim.transport.relay import PREFACE, RelayProxy
+from shim.shared import shared_path
 
 try:
     from tests.upstream_echo import EchoUpstream, length_delimited, response_bytes
@@ -31,7 +32,7 @@ STATUS = "/runtime.v1.RuntimeService/ContainerStatus"
 EVENTS = "/runtime.v1.RuntimeService/GetContainerEvents"
 MiB = 1024 * 1024
 CLIENT_MAX = 64 * MiB
-TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+TRACES = str(shared_path("traces"))
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ from shim.evidence.trace import TraceCall, make_header, read_trace, write_trace
 from shim.replay import compare_records, drive, load_records, replay, replay_settings
 from shim.trace_runtime import TraceRuntime, normalized_request
 from shim.transport.hooks import CREATE_CONTAINER
+from shim.shared import shared_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = shared_path("traces")
 GOLDEN = ROOT / "tests" / "golden"
 ALL_TRACES = sorted(TRACES.glob("*.jsonl")) if TRACES.is_dir() else []
 needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")

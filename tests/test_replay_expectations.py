@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from shim.cri import pb
+from shim.shared import shared_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = shared_path("traces")
 KUBELET_TRACES = sorted(TRACES.glob("kubelet-*.jsonl")) if TRACES.is_dir() else []
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
 

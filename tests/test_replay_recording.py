@@ -13,9 +13,10 @@ import pytest
 
 from shim.evidence.recorder import HIGH_VOLUME_METHODS
 from shim.evidence.trace import read_trace
+from shim.shared import shared_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = shared_path("traces")
 KUBELET_TRACES = sorted(TRACES.glob("kubelet-*.jsonl")) if TRACES.is_dir() else []
 needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
 

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from shim.shared import shared_path
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT.parent / "shared" / "reference" / "cri-api-v1.md"
+REFERENCE = shared_path("reference", "cri-api-v1.md")
 
 
 def test_stubs_match_proto(tmp_path):

@@ -8,9 +8,10 @@ import pytest
 
 from shim.cli import main
 from shim.evidence.trace import TraceCall, make_header, read_trace, write_trace
+from shim.shared import shared_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = shared_path("traces")
 ALL_TRACES = sorted(TRACES.glob("*.jsonl")) if TRACES.is_dir() else []
 needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
 NO_PROTO = {"/runtime.v1.RuntimeService/NoSuch"}  # a method that does not exist

@@ -5,7 +5,7 @@
 # what the shim writes into containers' cgroups for real kubelet traffic.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-traces=$(cd "${1:-$root/../shared/traces}" && pwd)
+traces=$(cd "${1:-$(bash "$root/scripts/shared-dir")/traces}" && pwd)
 cd "$root"
 for t in "$traces"/*.jsonl; do
     name=$(basename "$t" .jsonl)
