@@ -17,6 +17,7 @@ import hpack
 import pytest
 
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+from shim.transport.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
 from shim.shared import shared_path
 
@@ -358,10 +359,6 @@ def test_response_size_limit_keeps_the_connection_usable(loop, base):
 
 
 # ------------------------------------------------------------------------------------ raw HTTP/2
-
-
-def _frame(ftype: int, flags: int, sid: int, payload: bytes) -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big") + payload
 
 
 def _read_stream(sock: socket.socket, sid: int, timeout: float = 10.0):

@@ -19,6 +19,19 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from shim.transport.h2 import (
+    ACK,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    WINDOW_UPDATE,
+    frame,
+    setting,
+    window_update,
+)
 from shim.transport.hooks import CREATE_CONTAINER
 from shim.transport.relay import PREFACE, RelayProxy, _Connection
 
@@ -27,28 +40,16 @@ try:
 except ImportError:
     from test_relay import Hooks, added, request_for
 
-DATA, HEADERS, SETTINGS, WINDOW_UPDATE = 0, 1, 4, 8
-END_STREAM = ACK = 0x1
-END_HEADERS = 0x4
-INITIAL_WINDOW_SIZE = 0x4
 SID = 1
 
 
-def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([ftype, flags]) + sid.to_bytes(4, "big") + payload
-
-
 def settings(**values: int) -> bytes:
-    ids = {"initial_window": INITIAL_WINDOW_SIZE}
-    return frame(SETTINGS, 0, 0, b"".join(ids[k].to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in values.items()))
+    ids = {"initial_window": SETTINGS_INITIAL_WINDOW_SIZE}
+    return frame(SETTINGS, 0, 0, b"".join(setting(ids[k], v) for k, v in values.items()))
 
 
 def settings_ack() -> bytes:
     return frame(SETTINGS, ACK, 0)
-
-
-def window_update(sid: int, inc: int) -> bytes:
-    return frame(WINDOW_UPDATE, 0, sid, inc.to_bytes(4, "big"))
 
 
 def parse(raw: bytes, preface: bool = False) -> list[tuple[int, int, int, bytes]]:

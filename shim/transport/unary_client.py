@@ -24,22 +24,35 @@ import socket
 import time
 
 from shim.transport.endpoints import socket_path
-from shim.transport.hpack_lite import Decoder, HpackError, literal
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-MAX_WINDOW = (1 << 31) - 1
-STATUS_NAMES = (
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+from shim.transport.h2 import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ERR_CANCEL,
+    GOAWAY,
+    HEADERS,
+    MAX_WINDOW,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PUSH_PROMISE,
+    RST_STATUS,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
+    STATUS_NAMES,
+    WINDOW_UPDATE,
+    frame,
+    percent_decode,
+    setting,
+    window_update,
 )
-# RST_STREAM / GOAWAY error code -> status, as grpc maps them
-RST_STATUS = {0x7: "UNAVAILABLE", 0x8: "CANCELLED", 0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED"}
+from shim.transport.hpack_lite import Decoder, HpackError, literal
 
 
 class CallError(Exception):
@@ -55,26 +68,6 @@ class _Broken(Exception):
 
 class _NotProcessed(_Broken):
     """The runtime is going away and did not take our stream (GOAWAY below its id)."""
-
-
-def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big") + payload
-
-
-def _percent_decode(raw: bytes) -> str:
-    out = bytearray()
-    i = 0
-    while i < len(raw):
-        if raw[i] == 0x25 and i + 3 <= len(raw):
-            try:
-                out.append(int(raw[i + 1:i + 3], 16))
-                i += 3
-                continue
-            except ValueError:
-                pass
-        out.append(raw[i])
-        i += 1
-    return out.decode("utf-8", "replace")
 
 
 def _timeout_header(seconds: float) -> bytes:
@@ -131,9 +124,8 @@ class UnaryClient:
         # answers never wait for a WINDOW_UPDATE from us, the connection's is given back after
         # each call
         w = self.receive_window
-        settings = (0x2).to_bytes(2, "big") + (0).to_bytes(4, "big") + (0x4).to_bytes(2, "big") + w.to_bytes(4, "big")
-        self._send(PREFACE + _frame(SETTINGS, 0, 0, settings) +
-                   (_frame(WINDOW_UPDATE, 0, 0, (w - 65535).to_bytes(4, "big")) if w > 65535 else b""))
+        settings = setting(SETTINGS_ENABLE_PUSH, 0) + setting(SETTINGS_INITIAL_WINDOW_SIZE, w)
+        self._send(PREFACE + frame(SETTINGS, 0, 0, settings) + (window_update(0, w - 65535) if w > 65535 else b""))
 
     def _send(self, data: bytes) -> None:
         try:
@@ -207,7 +199,7 @@ class UnaryClient:
                  + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
                  + literal(b"te", b"trailers") + literal(b"grpc-timeout", _timeout_header(timeout)))
         message = b"\x00" + len(request).to_bytes(4, "big") + request
-        self._send(_frame(HEADERS, END_HEADERS, sid, block))
+        self._send(frame(HEADERS, END_HEADERS, sid, block))
         stream_window = self._send_initial
         sent = 0
         body = bytearray()
@@ -222,7 +214,7 @@ class UnaryClient:
                 if room <= 0:
                     break
                 last = sent + room == len(message)
-                self._send(_frame(DATA, END_STREAM if last else 0, sid, message[sent:sent + room]))
+                self._send(frame(DATA, END_STREAM if last else 0, sid, message[sent:sent + room]))
                 sent += room
                 self._send_conn -= room
                 stream_window -= room
@@ -241,10 +233,10 @@ class UnaryClient:
             if ftype == SETTINGS:
                 if not flags & ACK:
                     stream_window += self._settings(payload)
-                    self._send(_frame(SETTINGS, ACK, 0))  # before any more DATA of ours
+                    self._send(frame(SETTINGS, ACK, 0))  # before any more DATA of ours
             elif ftype == PING:
                 if not flags & ACK:
-                    self._send(_frame(PING, ACK, 0, payload))
+                    self._send(frame(PING, ACK, 0, payload))
             elif ftype == WINDOW_UPDATE:
                 inc = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
                 if fsid == 0:
@@ -286,7 +278,7 @@ class UnaryClient:
                         except (ValueError, IndexError):
                             status = "UNKNOWN"
                     elif name == b"grpc-message":
-                        details = _percent_decode(value)
+                        details = percent_decode(value)
                 headers_seen = True
                 if flags & END_STREAM:
                     break
@@ -298,7 +290,7 @@ class UnaryClient:
                 if fsid == sid:
                     body += data
                     if len(body) > self.max_message_bytes + 5:
-                        self._send(_frame(RST_STREAM, 0, sid, (0x8).to_bytes(4, "big")))
+                        self._send(frame(RST_STREAM, 0, sid, ERR_CANCEL.to_bytes(4, "big")))
                         raise CallError("RESOURCE_EXHAUSTED", f"{method}: answer larger than "
                                                               f"{self.max_message_bytes} bytes")
                     if flags & END_STREAM:
@@ -327,10 +319,10 @@ class UnaryClient:
         for i in range(0, len(payload) - 5, 6):
             ident = int.from_bytes(payload[i:i + 2], "big")
             value = int.from_bytes(payload[i + 2:i + 6], "big")
-            if ident == 0x4:
+            if ident == SETTINGS_INITIAL_WINDOW_SIZE:
                 delta += value - self._send_initial
                 self._send_initial = value
-            elif ident == 0x5:
+            elif ident == SETTINGS_MAX_FRAME_SIZE:
                 self._max_frame = max(16384, min(value, 1 << 24))
         return delta
 
@@ -339,6 +331,6 @@ class UnaryClient:
         n, self._owed = self._owed, 0
         if n > 0:
             try:
-                self._send(_frame(WINDOW_UPDATE, 0, 0, n.to_bytes(4, "big")))
+                self._send(window_update(0, n))
             except _Broken:
                 self.close()  # the next call reconnects; this one has its answer
