@@ -62,6 +62,34 @@ from collections import deque
 
 from shim.transport.endpoints import socket_path
 from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall, guarded_finished, guarded_rewrite
+from shim.transport.h2 import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ERR_CANCEL,
+    GOAWAY,
+    HEADERS,
+    HTTP_STATUS,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PUSH_PROMISE,
+    RST_STATUS,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_HEADER_TABLE_SIZE,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    STATUS_NAMES,
+    STATUS_NUMBER,
+    WINDOW_UPDATE,
+    frame,
+    percent_decode,
+    percent_encode,
+    window_update,
+)
 from shim.transport.hpack_lite import CONTENT_TYPE_GRPC, STATUS_200, Decoder, HpackError, literal
 from shim.transport.methods import CRI_METHODS_BY_PATH
 from shim.transport.unixsock import (
@@ -89,33 +117,6 @@ READ_PAUSE_BYTES = 4 * 1024 * 1024  # client bytes buffered while the upstream c
 TRIM_AFTER_BYTES = 4 * 1024 * 1024  # after a call this large, give freed heap memory back (trim_heap)
 EARLY_WRITE_BYTES = 32 * 1024  # a server chunk this large gets its leading DATA written before it is observed
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-SETTINGS_HEADER_TABLE_SIZE = 0x1
-SETTINGS_INITIAL_WINDOW_SIZE = 0x4
-ERR_CANCEL = 0x8
-
-STATUS_NAMES = (
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
-)
-STATUS_NUMBER = {name: i for i, name in enumerate(STATUS_NAMES)}
-# RST_STREAM error code -> the status a grpc client reports (grpc's http2 mapping)
-RST_STATUS = {
-    0x0: "INTERNAL", 0x1: "INTERNAL", 0x2: "INTERNAL", 0x3: "INTERNAL", 0x4: "INTERNAL", 0x5: "INTERNAL",
-    0x6: "INTERNAL", 0x7: "UNAVAILABLE", 0x8: "CANCELLED", 0x9: "INTERNAL", 0xA: "INTERNAL",
-    0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED", 0xD: "INTERNAL",
-}
-# HTTP status of an answer without grpc-status -> status (grpc's http-to-grpc mapping)
-HTTP_STATUS = {b"400": "INTERNAL", b"401": "UNAUTHENTICATED", b"403": "PERMISSION_DENIED",
-               b"404": "UNIMPLEMENTED", b"429": "UNAVAILABLE", b"502": "UNAVAILABLE",
-               b"503": "UNAVAILABLE", b"504": "UNAVAILABLE"}
 TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
 
 
@@ -135,44 +136,6 @@ def trim_heap() -> None:
 
 
 _malloc_trim = None
-
-
-def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return bytes((n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, ftype, flags)) + sid.to_bytes(4, "big") + payload
-
-
-def _window_update(sid: int, increment: int) -> bytes:
-    return _frame(WINDOW_UPDATE, 0, sid, increment.to_bytes(4, "big"))
-
-
-def _percent_encode(text: str) -> bytes:
-    out = bytearray()
-    for b in text.encode("utf-8", "replace"):
-        if 0x20 <= b <= 0x7E and b != 0x25:
-            out.append(b)
-        else:
-            out += b"%%%02X" % b
-    return bytes(out)
-
-
-def _percent_decode(raw: bytes) -> str:
-    if b"%" not in raw:
-        return raw.decode("utf-8", "replace")
-    out = bytearray()
-    i, n = 0, len(raw)
-    while i < n:
-        b = raw[i]
-        if b == 0x25 and i + 3 <= n:
-            try:
-                out.append(int(raw[i + 1:i + 3], 16))
-                i += 3
-                continue
-            except ValueError:
-                pass
-        out.append(b)
-        i += 1
-    return out.decode("utf-8", "replace")
 
 
 def _header_unit(data: bytes, pos: int, end: int, n: int) -> tuple[bytes, int] | None:
@@ -269,7 +232,7 @@ def _response_info(headers: list[tuple[bytes, bytes]]) -> tuple:
             code = STATUS_NAMES[int(status)]
         except (ValueError, IndexError):
             code = "UNKNOWN"
-        details = _percent_decode(message) if message else ""
+        details = percent_decode(message) if message else ""
     return http_status, encoding, code, details
 
 
@@ -471,9 +434,10 @@ class _Connection:
         self.paused_client = False
         self.refused_details = ""
         self.answered = 0
-        # while a server chunk is processed: the FinishedCalls of the calls it ends, reported
-        # once the chunk's answers are written to the client (from_server)
-        self.defer: list[FinishedCall] | None = None
+        # while a server chunk is processed (deferring): the FinishedCalls of the calls it ends,
+        # reported once the chunk's answers are written to the client (from_server)
+        self.deferring = False
+        self.defer: list[FinishedCall] = []
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -500,7 +464,7 @@ class _Connection:
             self.mode = "refuse"
             self.refused_details = f"memqos-shim: cannot reach the runtime at unix://{self.relay.upstream_path}: {e}"
             self.relay.upstream_down(self.refused_details)
-            self.client.write(_frame(SETTINGS, 0, 0))
+            self.client.write(frame(SETTINGS, 0, 0))
             early, self.early = self.early, []
             for chunk in early:
                 self._refuse(chunk)
@@ -521,7 +485,7 @@ class _Connection:
         if self.streams:
             asyncio.get_running_loop().call_later(REFUSED_IDLE_CLOSE, self._refused_idle)
             return
-        self.client.write(_frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
+        self.client.write(frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
         self._close("UNAVAILABLE", self.refused_details)
 
     def upstream_made(self, transport) -> None:
@@ -573,7 +537,7 @@ class _Connection:
     def goaway(self) -> None:
         """Stop: tell the kubelet that no new streams go on this connection."""
         if self.client is not None and self.mode != "closed":
-            self._to_client(_frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
+            self._to_client(frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
 
     def pause(self, upstream: bool) -> None:
         t = self.upstream if upstream else self.client
@@ -644,7 +608,7 @@ class _Connection:
         fc = FinishedCall(
             call.method, call.start, (time.perf_counter() - call.t0) * 1000.0, request, call.forwarded,
             responses, code, details, call.resp.truncated and code == "OK")
-        if self.defer is not None:
+        if self.deferring:
             self.defer.append(fc)
         else:
             self.relay.finished(fc)
@@ -666,9 +630,9 @@ class _Connection:
         if not call.resp_headers:
             block = STATUS_200 + CONTENT_TYPE_GRPC
         block += literal(b"grpc-status", str(STATUS_NUMBER[code]).encode())
-        block += literal(b"grpc-message", _percent_encode(details))
-        self._to_client(_frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block))
-        rst = _frame(RST_STREAM, 0, call.sid, ERR_CANCEL.to_bytes(4, "big"))
+        block += literal(b"grpc-message", percent_encode(details))
+        self._to_client(frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block))
+        rst = frame(RST_STREAM, 0, call.sid, ERR_CANCEL.to_bytes(4, "big"))
         if to_upstream is not None:
             to_upstream.append(rst)
         elif self.upstream is not None:
@@ -1018,19 +982,19 @@ class _Connection:
                 else:
                     self.swin[sid] = w - n
             if n <= step:
-                pending.append(_frame(DATA, END_STREAM if end_stream else 0, sid, payload))
+                pending.append(frame(DATA, END_STREAM if end_stream else 0, sid, payload))
                 return
             for off in range(0, n, step):
                 last = off + step >= n
-                pending.append(_frame(DATA, END_STREAM if (end_stream and last) else 0, sid, payload[off:off + step]))
+                pending.append(frame(DATA, END_STREAM if (end_stream and last) else 0, sid, payload[off:off + step]))
             return
         if n == 0:
-            self._enqueue(sid, _frame(DATA, END_STREAM if end_stream else 0, sid), 0)
+            self._enqueue(sid, frame(DATA, END_STREAM if end_stream else 0, sid), 0)
         for off in range(0, n, step):
             chunk = payload[off:off + step]
             last = off + step >= n
             flags = END_STREAM if (end_stream and last) else 0
-            self._enqueue(sid, _frame(DATA, flags, sid, chunk), len(chunk))
+            self._enqueue(sid, frame(DATA, flags, sid, chunk), len(chunk))
         if pending is not None:
             self._flush(pending)
         self._drain()
@@ -1091,12 +1055,12 @@ class _Connection:
         room = self.s_conn - self.queued - self.c_conn
         frames = []
         if room > 0:
-            frames.append(_window_update(0, room))
+            frames.append(window_update(0, room))
             self.c_conn += room
         if self.repay_streams:
             for sid, n in self.repay_streams.items():
                 if sid in self.streams:
-                    frames.append(_window_update(sid, n))
+                    frames.append(window_update(sid, n))
             self.repay_streams.clear()
         if frames:
             self._to_client(b"".join(frames))
@@ -1106,7 +1070,7 @@ class _Connection:
     def from_server(self, data: bytes) -> None:
         if self.mode != "relay":
             return
-        self.defer = []  # calls that end in this chunk: finished() after the client has the answer
+        self.deferring = True  # calls that end in this chunk: finished() after the client has the answer
         try:
             self._relay_server(data)
         except _ProtocolBroken as e:
@@ -1114,10 +1078,10 @@ class _Connection:
         except Exception:  # noqa: BLE001
             self._broken("server", None)
         finally:
-            d = self.defer
-            if d is not None:
-                self.defer = None
-                for fc in d:
+            self.deferring = False
+            if self.defer:
+                done, self.defer = self.defer, []
+                for fc in done:
                     self.relay.finished(fc)
 
     def _relay_server(self, data: bytes) -> None:
@@ -1187,7 +1151,7 @@ class _Connection:
                         out_start = end
                         self._write_client(pending)
                         if length:
-                            upstream_out.append(_window_update(0, length))
+                            upstream_out.append(window_update(0, length))
                         self._fail_call(call, "RESOURCE_EXHAUSTED",
                                         f"Received message larger than max ({too_big} vs. "
                                         f"{self.relay.max_message_bytes})", upstream_out)
@@ -1198,7 +1162,7 @@ class _Connection:
                         pending.append(memoryview(data)[out_start:pos])
                     out_start = end
                     if length:
-                        upstream_out.append(_window_update(0, length))
+                        upstream_out.append(window_update(0, length))
             elif ftype == HEADERS:
                 flags = data[pos + 4]
                 sid = int.from_bytes(data[pos + 5:pos + 9], "big") & 0x7FFFFFFF
@@ -1233,7 +1197,7 @@ class _Connection:
                             pending.append(memoryview(data)[out_start:pos])
                         out_start = end
                         if room > 0:
-                            pending.append(_window_update(0, room))
+                            pending.append(window_update(0, room))
                             self.c_conn += room
                 elif sid in self.swin:
                     self.swin[sid] += inc
@@ -1371,7 +1335,7 @@ class _Connection:
             if out_start < pos:
                 pending.append(memoryview(data)[out_start:pos])
             if length:
-                upstream_out.append(_window_update(0, length))
+                upstream_out.append(window_update(0, length))
         else:
             pending.append(memoryview(data)[out_start:n])
         self.s_data_left = pos + 9 + length - n
@@ -1440,9 +1404,9 @@ class _Connection:
             flags = data[pos + 4]
             sid = int.from_bytes(data[pos + 5:pos + 9], "big") & 0x7FFFFFFF
             if ftype == SETTINGS and not flags & ACK:
-                out.append(_frame(SETTINGS, ACK, 0))
+                out.append(frame(SETTINGS, ACK, 0))
             elif ftype == PING and not flags & ACK:
-                out.append(_frame(PING, ACK, 0, data[pos + 9:end]))
+                out.append(frame(PING, ACK, 0, data[pos + 9:end]))
             elif ftype == HEADERS:
                 start, stop = pos + 9, end
                 if flags & PADDED:
@@ -1471,9 +1435,9 @@ class _Connection:
             elif ftype == DATA:
                 call = self.streams.get(sid)
                 if length:
-                    out.append(_window_update(0, length))
+                    out.append(window_update(0, length))
                     if call is not None and not flags & END_STREAM:
-                        out.append(_window_update(sid, length))
+                        out.append(window_update(sid, length))
                 if call is not None:
                     if flags & PADDED:
                         payload = memoryview(data)[pos + 10:end - data[pos + 9]]
@@ -1490,7 +1454,7 @@ class _Connection:
         if pos < n:
             self.cbuf = bytearray(memoryview(data)[pos:])
         if self.answered and not self.streams:
-            out.append(_frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
+            out.append(frame(GOAWAY, 0, 0, self.last_client_sid.to_bytes(4, "big") + bytes(4)))
             self.client.write(b"".join(out))
             self._close("UNAVAILABLE", self.refused_details)
             return
@@ -1500,9 +1464,9 @@ class _Connection:
     def _refusal(self, call: _Call) -> bytes:
         self.answered += 1
         block = (STATUS_200 + CONTENT_TYPE_GRPC + literal(b"grpc-status", b"14")
-                 + literal(b"grpc-message", _percent_encode(self.refused_details)))
+                 + literal(b"grpc-message", percent_encode(self.refused_details)))
         self._finish(call, "UNAVAILABLE", self.refused_details)
-        return _frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block)
+        return frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block)
 
 
 class RelayProxy:
