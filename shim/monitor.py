@@ -147,23 +147,16 @@ class ContainerCgroups(CgroupTree):
             raise PathRefused(f"{name!r} is not a file the monitor writes")
         if value != "max" and not (value.isascii() and value.isdigit()):
             raise ValueError(f"bad memory value {value!r}")
-        dfd = self._open_dir(self.check(rel))
-        try:
-            rfd = self._open_file(dfd, name, os.O_RDONLY)
-            try:
-                old = os.read(rfd, 64).decode("ascii", "replace").strip()
-            finally:
-                os.close(rfd)
+        def decide(old: str) -> str:
             if expect is not None and old != expect:
                 raise ValueError(f"{name} holds {old!r}, not {expect!r}: changed meanwhile")
-            wfd = self._open_file(dfd, name, os.O_WRONLY | os.O_TRUNC)
-            try:
-                os.write(wfd, (value + "\n").encode())
-            finally:
-                os.close(wfd)
+            return value
+
+        dfd = self._open_dir(self.check(rel))
+        try:
+            return self._read_then_write(dfd, name, decide)
         finally:
             os.close(dfd)
-        return old
 
 
 # -- containers ------------------------------------------------------------------------

@@ -136,6 +136,25 @@ class CgroupTree:
             os.close(fd)
             raise
 
+    def _read_then_write(self, dfd: int, name: str, decide: Callable[[str], str | None],
+                         opener: Callable[[int, str, int], int] | None = None) -> str:
+        """Read an interface file of an opened cgroup; write what ``decide(old)`` returns
+        (nothing for None; it may raise to write nothing). Returns the old content (stripped)."""
+        opener = opener or self._open_file
+        rfd = opener(dfd, name, os.O_RDONLY)
+        try:
+            old = os.read(rfd, 64).decode("ascii", "replace").strip()
+        finally:
+            os.close(rfd)
+        new = decide(old)
+        if new is not None:
+            wfd = opener(dfd, name, os.O_WRONLY | os.O_TRUNC)
+            try:
+                os.write(wfd, (new + "\n").encode())
+            finally:
+                os.close(wfd)
+        return old
+
     @staticmethod
     def _open_file(dfd: int, name: str, flags: int) -> int:
         """An interface file in an opened cgroup: never a symlink, never created."""
@@ -225,21 +244,12 @@ class CgroupFS(CgroupTree):
         new = str(value)
         dfd = self._open_dir(parts)
         try:
-            rfd = self._file_fd(dfd, file, os.O_RDONLY)
-            try:
-                old = os.read(rfd, 64).decode("ascii", "replace").strip()
-            finally:
-                os.close(rfd)
-            if old == new:
-                return None
-            if not self.dry_run:
-                wfd = self._file_fd(dfd, file, os.O_WRONLY | os.O_TRUNC)
-                try:
-                    os.write(wfd, (new + "\n").encode())
-                finally:
-                    os.close(wfd)
+            old = self._read_then_write(dfd, file, lambda old: None if old == new or self.dry_run else new,
+                                        self._file_fd)
         finally:
             os.close(dfd)
+        if old == new:
+            return None
         with self._lock:
             self._seq += 1
             w = Write(self._seq, "/".join(parts), file, old, new, why, level, drift)
