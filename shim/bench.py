@@ -168,21 +168,28 @@ def proc_rss_mib(pid: int) -> float:
 
 
 class Processes:
-    """The upstream and one shim per transport, in a temporary directory."""
+    """The upstream and one shim per transport, in a temporary directory. ``sources`` (name ->
+    (transport, checkout)) serves other checkouts instead (scripts/bench-ab)."""
 
-    def __init__(self, transports: list[str]) -> None:
+    def __init__(self, transports: list[str], sources: dict[str, tuple[str, Path]] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="mqsb-"))
         self.upstream_sock = self.dir / "rt.sock"
         self.upstream: subprocess.Popen | None = None
         self.shims: dict[str, subprocess.Popen] = {}
         self.socks: dict[str, Path] = {}
         self.transports = transports
+        self.sources = sources or {t: (t, REPO) for t in transports}
 
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    @staticmethod
+    def env(src: Path) -> dict[str, str]:
+        env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         # as installed on a node: modules load from bytecode (compiling them at every start would
         # add the compiler's memory to the shim's RSS)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
+        return env
+
+    def start(self) -> None:
+        env = self.env(REPO)
         self.upstream = subprocess.Popen(
             [sys.executable, "-m", "shim.bench", "upstream", "--listen", str(self.upstream_sock)],
             stdout=subprocess.PIPE, stderr=open(self.dir / "upstream.log", "w"), env=env, text=True)
@@ -193,19 +200,19 @@ class Processes:
         cg.mkdir()
         (cg / "cgroup.controllers").write_text("cpu memory pids\n")
         (self.dir / "meminfo").write_text(f"MemTotal: {16 * 1024 * 1024} kB\n")
-        for t in self.transports:
+        for t, (transport, src) in self.sources.items():
             sock = self.dir / f"shim-{t}.sock"
             cmd = [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{sock}",
                    "--upstream", f"unix://{self.upstream_sock}", "--kubelet-config", "none",
                    "--cgroup-root", str(cg), "--meminfo", str(self.dir / "meminfo"), "--page-size", "4096",
                    "--audit-log", str(self.dir / f"audit-{t}.jsonl"), "--reconcile", "false",
                    "--monitor-interval", "0", "--log-level", "warning"]
-            if _has_transport_option():
-                cmd += ["--transport", t]
-            elif t != "grpc":
-                raise SystemExit(f"this checkout's shim has only the grpc transport, not {t!r}")
+            if src != REPO or _has_transport_option():
+                cmd += ["--transport", transport]
+            elif transport != "grpc":
+                raise SystemExit(f"this checkout's shim has only the grpc transport, not {transport!r}")
             self.shims[t] = subprocess.Popen(cmd, stdout=open(self.dir / f"shim-{t}.log", "w"),
-                                             stderr=subprocess.STDOUT, env=env)
+                                             stderr=subprocess.STDOUT, env=self.env(src), cwd=str(src))
             self.socks[t] = sock
         deadline = time.monotonic() + 60
         for t, sock in self.socks.items():
@@ -224,10 +231,8 @@ class Processes:
                "--audit-log", str(self.dir / f"audit-defaults-{transport}.jsonl"), "--log-level", "warning"]
         if _has_transport_option():
             cmd += ["--transport", transport]
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
         proc = subprocess.Popen(cmd, stdout=open(self.dir / f"defaults-{transport}.log", "w"),
-                                stderr=subprocess.STDOUT, env=env)
+                                stderr=subprocess.STDOUT, env=self.env(REPO))
         try:
             import grpc
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from shim.bench import (
@@ -28,6 +27,7 @@ from shim.bench import (
     REPO,
     VERSION,
     Client,
+    Processes,
     padded,
     pct,
     prepare,
@@ -42,46 +42,20 @@ def _worktree(ref: str, into: Path) -> Path:
     return path
 
 
-def _serve(src: Path, sock: Path, upstream: Path, work: Path, tag: str) -> subprocess.Popen:
-    cg = work / f"cgroup-{tag}"
-    cg.mkdir()
-    (cg / "cgroup.controllers").write_text("cpu memory pids\n")
-    (work / "meminfo").write_text(f"MemTotal: {16 * 1024 * 1024} kB\n")
-    env = dict(os.environ, PYTHONPATH=str(src))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{sock}", "--upstream", f"unix://{upstream}",
-         "--kubelet-config", "none", "--cgroup-root", str(cg), "--meminfo", str(work / "meminfo"),
-         "--page-size", "4096", "--audit-log", str(work / f"audit-{tag}.jsonl"), "--reconcile", "false",
-         "--monitor-interval", "0", "--log-level", "warning", "--transport", "relay"],
-        cwd=str(src), env=env, stdout=open(work / f"shim-{tag}.log", "w"), stderr=subprocess.STDOUT)
-
-
 def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="mqab-"))
     trees: list[Path] = []
-    procs: list[subprocess.Popen] = []
+    procs: Processes | None = None
     try:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        up = subprocess.Popen([sys.executable, "-m", "shim.bench", "upstream", "--listen", str(work / "rt.sock")],
-                              stdout=subprocess.PIPE, stderr=open(work / "upstream.log", "w"), text=True, env=env)
-        procs.append(up)
-        if "listening" not in up.stdout.readline():
-            raise RuntimeError(f"bench upstream did not start: {(work / 'upstream.log').read_text()}")
-        targets = {"direct": f"unix://{work / 'rt.sock'}"}
+        sources = {}
         for tag, ref in (("A", ref_a), ("B", ref_b)):
             src = REPO if ref == "WORKTREE" else _worktree(ref, work)
             if src != REPO:
                 trees.append(src)
-            sock = work / f"{tag}.sock"
-            procs.append(_serve(src, sock, work / "rt.sock", work, tag))
-            targets[tag] = f"unix://{sock}"
-        deadline = time.monotonic() + 60
-        for tag in ("A", "B"):
-            while not (work / f"{tag}.sock").exists():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"shim {tag} did not start: {(work / f'shim-{tag}.log').read_text()}")
-                time.sleep(0.05)
+            sources[tag] = ("relay", src)
+        procs = Processes([], sources)
+        procs.start()
+        targets = procs.targets()
         client = Client(targets)
         client.wait_ready()
         w = prepare(targets["direct"], QUICK, DEFAULT_TRACE)
@@ -114,15 +88,11 @@ def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
                 "median": {t: {k: statistics.median(v) for k, v in per[t].items()} for t in per},
                 "blocks_us": per}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if procs is not None:
+            procs.stop()
         for t in trees:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(t)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
