@@ -5,7 +5,7 @@
   localhost/pause:e2e       a static pause binary compiled from e2e/pause.c
   localhost/hog:e2e         a static memory grower compiled from e2e/hog.c (guard scenario)
 
-These are the image names of the recorded kubelet traffic in ../shared/traces (the kubelet
+These are the image names of the recorded kubelet traffic in tests/data/traces (the kubelet
 ran with imagePullPolicy: Never and --pod-infra-container-image=localhost/pause:e2e).
 
 Each image is written as an OCI image-layout tarball (plus a docker-archive manifest.json,

@@ -1,7 +1,7 @@
 """Expected cgroup values for the real-kernel suite, computed independently of the shim.
 
 Deliberately does NOT import shim.decision (or anything of the shim but the generated CRI
-stubs elsewhere): the arithmetic is written again here from ../shared/reference/memory-qos.md,
+stubs elsewhere): the arithmetic is written again here from docs/memory-qos.md,
 so a wrong formula in the shim shows up as a difference on the real kernel.
 
 Inputs are the facts the kubelet put on the wire (recorded CreateContainer requests) and the

@@ -264,9 +264,10 @@ def short(method: str) -> str:
 class Trace:
     def __init__(self, path: str):
         from shim.cri import api_pb2 as pb
+        from shim.evidence.trace import open_text
 
         self.path = path
-        with open(path) as f:
+        with open_text(path) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         self.header = lines[0]
         if self.header.get("format") != "cri-trace":

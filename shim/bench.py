@@ -13,7 +13,7 @@ replies (ExecSync); calls/s with 32 concurrent callers; a quick call's latency w
 calls (PullImage, delayed 2 s by the runtime) are in flight; a CreateContainer (rewritten by the
 shim) against a passthrough call of the same request size; shim CPU per 1000 small calls; shim
 RSS idle, after 20k and 100k calls (RSS growth) and at the end; and a kubelet-like steady
-load for a 110-pod node (the relist/status/stats mix of ../shared/traces, per-container and
+load for a 110-pod node (the relist/status/stats mix of the recorded kubelet traces in tests/data/traces, per-container and
 per-pod calls scaled to 110 pods, list replies as large as 110 pods make them), reporting the
 shim's CPU share of one core during it.
 
@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from shim.shared import shared_path
+from shim.evidence.trace import open_text
+from shim.traces import MEMQOS_OFF, TRACES_DIR
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = shared_path("traces", "kubelet-1.23-cgroupfs-memqos-off.jsonl")
+DEFAULT_TRACE = TRACES_DIR / f"{MEMQOS_OFF}.jsonl.xz"
 
 RS = "/runtime.v1.RuntimeService/"
 IS = "/runtime.v1.ImageService/"
@@ -54,8 +55,8 @@ CLIENT_MAX = 64 * MiB
 SLOW_DELAY = 2.0  # seconds the runtime holds every PullImage
 EXEC_MAGIC = "memqos-bench-output"  # ExecSync cmd [EXEC_MAGIC, "<bytes>"] answers that many stdout bytes
 
-# Steady-state call rates of ../shared/traces/kubelet-1.23-cgroupfs-memqos-off.jsonl (6 pods, 8
-# containers, seconds 25-100), used when the trace is not next to the checkout.
+# Steady-state call rates of tests/data/traces/kubelet-1.23-cgroupfs-memqos-off.jsonl.xz (6 pods,
+# 8 containers, seconds 25-100), used when --trace names no readable file.
 BUILTIN_RATES = {
     "ListContainers": 1.99, "ListPodSandbox": 1.87, "ContainerStatus": 0.70, "Status": 0.20,
     "Version": 0.17, "ImageFsInfo": 0.09, "ListContainerStats": 0.09, "ListImages": 0.03,
@@ -320,7 +321,7 @@ class Workload:
 
 
 def trace_calls(path: Path) -> list[dict]:
-    with open(path) as f:
+    with open_text(str(path)) as f:
         lines = [json.loads(x) for x in f if x.strip()]
     return [c for c in lines[1:] if "method" in c]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from shim.cri import pb
 
 MI = 2**20
-CAPACITY = 2060419072  # the shared traces' node
+CAPACITY = 2060419072  # the recorded traces' node (tests/data/traces)
 
 
 def cgroup_parent(qos: str, uid: str, driver: str = "cgroupfs", leaf_only: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""Decision tables from ../shared/reference/memory-qos.md, plus properties."""
+"""Decision tables from docs/memory-qos.md, plus properties."""
 from __future__ import annotations
 
 import pytest
@@ -209,7 +209,7 @@ def test_hostile_annotation_is_ignored_with_a_note(value, why):
 
 
 def test_limit_only_burstable_gets_no_memory_high():
-    # qos-limit-only in the shared traces: request defaulted to the 96Mi limit, adj 952
+    # qos-limit-only in the recorded traces: request defaulted to the 96Mi limit, adj 952
     node = NodeFacts(capacity=CAP, allocatable=1850703872, page_size=4096, factor=0.9)
     d = decide(BURSTABLE, ContainerFacts(name="main", limit=100663296, oom_score_adj=952), node, Policy.REQUEST)
     assert "memory.high" not in d.unified_after

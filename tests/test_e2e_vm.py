@@ -19,17 +19,16 @@ import sys
 
 import pytest
 
-from shim.shared import shared_path
+from shim.evidence.trace import open_text
+from shim.traces import MEMQOS_OFF, MEMQOS_ON, TRACES_DIR, trace_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.environ.get("E2E_SHARED") or str(shared_path())
-TRACES = os.path.join(SHARED, "traces")
+TRACES = str(TRACES_DIR)
 sys.path.insert(0, os.path.join(ROOT, "e2e"))
 
 import expect as X  # noqa: E402
 
 MI = 1 << 20
-needs_traces = pytest.mark.skipif(not os.path.isdir(TRACES), reason=f"no {TRACES}")
 
 
 @pytest.mark.parametrize("request_mi,factor,high_mi", [
@@ -68,7 +67,7 @@ def test_kernel_reads_whole_pages():
 def _creates(trace_name):
     from shim.cri import api_pb2 as pb
 
-    with open(os.path.join(TRACES, trace_name)) as f:
+    with open_text(str(trace_file(trace_name))) as f:
         lines = [json.loads(x) for x in f]
     for c in lines[1:]:
         if c["method"].endswith("/CreateContainer"):
@@ -90,8 +89,7 @@ def _manifest_requests():
     return out
 
 
-@needs_traces
-@pytest.mark.parametrize("trace", ["kubelet-1.23-cgroupfs-memqos-off.jsonl", "kubelet-1.23-cgroupfs-memqos-on.jsonl"])
+@pytest.mark.parametrize("trace", [MEMQOS_OFF, MEMQOS_ON])
 def test_expected_requests_never_exceed_the_manifests(trace):
     truth = _manifest_requests()
     seen = 0
@@ -110,17 +108,16 @@ def test_expected_requests_never_exceed_the_manifests(trace):
     assert seen == 8
 
 
-@needs_traces
 def test_pod_sums_match_the_kubelets_own_memory_qos():
     """With MemoryQoS on, the recorded kubelet wrote pod / burstable / kubepods memory.min
     itself (*.cgroups.txt): the suite's pod arithmetic must give the same numbers."""
-    with open(os.path.join(TRACES, "kubelet-1.23-cgroupfs-memqos-on.cgroups.txt")) as f:
+    with open(os.path.join(TRACES, MEMQOS_ON + ".cgroups.txt")) as f:
         text = f.read()
     steady = text.split("### after")[0]
     kubelet = dict(re.findall(r"^(/kubepods(?:/burstable)?(?:/pod[0-9a-f]+)?) min=(\d+)", steady, re.M))
     pods: dict[str, dict] = {}
     inits = {("multi", "init")}
-    for header, req in _creates("kubelet-1.23-cgroupfs-memqos-on.jsonl"):
+    for header, req in _creates(MEMQOS_ON):
         node = X.Node.from_trace_header(header)
         r = req.config.linux.resources
         parent = req.sandbox_config.linux.cgroup_parent

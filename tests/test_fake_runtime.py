@@ -1,7 +1,7 @@
 """The fake CRI runtime: real gRPC on a unix socket, driven with the generated stubs.
 
 Expected status codes and messages come from containerd's pkg/cri/server sources and from what
-containerd 1.6.20 answered in /work/shared/traces (see shim/fake_runtime/runtime.py).
+containerd 1.6.20 answered in tests/data/traces (see shim/fake_runtime/runtime.py).
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from shim.fake_runtime import (
     FakeRuntimeServer,
     serve_fake_runtime,
 )
-from shim.shared import shared_path
+from shim.evidence.trace import open_text
+from shim.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = shared_path("traces")
-TRACE_OFF = TRACES / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
-TRACE_ON = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
+TRACE_OFF = trace_file(MEMQOS_OFF)
+TRACE_ON = trace_file(MEMQOS_ON)
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 UNKNOWN = grpc.StatusCode.UNKNOWN
 
@@ -526,7 +526,8 @@ def test_handle_without_grpc():
 
 
 def _trace_calls(path: Path) -> list[dict]:
-    lines = path.read_text().splitlines()
+    with open_text(str(path)) as f:
+        lines = f.read().splitlines()
     assert json.loads(lines[0])["format"] == "cri-trace"
     return sorted((json.loads(line) for line in lines[1:]), key=lambda r: r["start"])
 

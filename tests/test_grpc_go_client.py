@@ -48,7 +48,8 @@ import shim.fake_runtime.runtime as fake_runtime_module
 from shim.cri import pb
 from shim.fake_runtime import FakeRuntimeServer
 from shim.kubelet_requests import create_container, sandbox_config
-from shim.shared import shared_path
+from shim.evidence.trace import open_text
+from shim.traces import MEMQOS_OFF, trace_file
 
 try:
     from tests.test_serve import ALLOC, CAPACITY, Shim, expected_high, short_dir
@@ -60,7 +61,7 @@ except ImportError:  # run from inside tests/
 HERE = Path(__file__).resolve().parent
 GO_SOURCE = HERE / "grpcgo" / "main.go"
 GOPATH = "/usr/share/gocode"
-TRACE = shared_path("traces", "kubelet-1.23-cgroupfs-memqos-off.jsonl")
+TRACE = trace_file(MEMQOS_OFF)
 MI = 2**20
 TRANSPORTS = ["relay", "grpc"]
 
@@ -291,9 +292,7 @@ def stack(request, grpcgo):
 
 
 def _trace_calls() -> list[dict]:
-    if not TRACE.exists():
-        pytest.skip(f"{TRACE} not found")
-    with TRACE.open() as f:
+    with open_text(str(TRACE)) as f:
         return [c for c in map(json.loads, f) if "method" in c]
 
 

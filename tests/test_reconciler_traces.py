@@ -1,4 +1,4 @@
-"""The recorded kubelet traffic (../shared/traces) through the proxy with the reconciler
+"""The recorded kubelet traffic (tests/data/traces) through the proxy with the reconciler
 observing: the pod / QoS / node values it writes match the recorded pods.
 
 Upstream is the TraceRuntime (every call answered with the recorded answer), so the
@@ -18,7 +18,6 @@ import math
 import re
 from pathlib import Path
 
-import pytest
 
 from shim.cri import pb
 from shim.effects import CgroupLayout
@@ -28,18 +27,16 @@ from shim.replay import drive, replay_settings
 from shim.service import build_container_qos, build_request_hooks
 from shim.trace_runtime import TraceRuntime
 from shim.transport.proxy import CriProxy
-from shim.shared import shared_path
+from shim.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
 from tests.reconciler_support import FakeCgroupTree
 
-TRACES = shared_path("traces")
-ON = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
-OFF = TRACES / "kubelet-1.23-cgroupfs-memqos-off.jsonl"
+ON = trace_file(MEMQOS_ON)
+OFF = trace_file(MEMQOS_OFF)
 MI = 2**20
 CAPACITY = 2060419072
 PAGE = 4096
 STOP_CONTAINER = "/runtime.v1.RuntimeService/StopContainer"
 
-pytestmark = pytest.mark.skipif(not ON.exists() or not OFF.exists(), reason="shared traces not present")
 
 # README: the pods' true requests (the ground truth behind the traffic)
 TRUE = {"qos-guaranteed": 64 * MI, "qos-burstable-limit": 32 * MI, "qos-burstable-nolimit": 32 * MI,
@@ -125,7 +122,7 @@ def mins(values: dict) -> dict[str, int]:
 def test_memqos_on_trace_matches_the_kubelets_own_values(tmp_path):
     tree, steady, end, pods, kinds, records = replay_through_proxy(tmp_path, ON)
     assert mins(steady)[pods["multi"]] == 32 * MI  # max(16Mi init, 24Mi + 8Mi)
-    kubelet_steady, kubelet_removed, _ = kubelet_cgroups(ON.with_name(ON.stem + ".cgroups.txt"))
+    kubelet_steady, kubelet_removed, _ = kubelet_cgroups(data_file(MEMQOS_ON + ".cgroups.txt"))
     assert mins(steady) == {k: v for k, v in kubelet_steady.items() if k in mins(steady)}
     assert mins(steady)["kubepods/burstable"] == 192 * MI and mins(steady)["kubepods"] == 256 * MI
     got_end = {k: v for k, v in mins(end).items() if k in kubelet_removed}

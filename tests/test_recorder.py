@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 
 from shim.evidence.recorder import HIGH_VOLUME_METHODS, MethodFilter, Recorder, shim_header
-from shim.evidence.trace import TraceCall, TraceError, make_header, read_trace
+from shim.evidence.trace import TraceCall, TraceError, make_header, open_text, read_trace, trace_stem, write_trace
 from shim.transport.hooks import CREATE_CONTAINER, FinishedCall
-from shim.shared import shared_path
+from shim.traces import all_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = shared_path("traces")
-needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 LIST_CONTAINERS = "/runtime.v1.RuntimeService/ListContainers"
@@ -44,11 +42,10 @@ def lines(path) -> list[dict]:
 # ----------------------------------------------------------------------- the format
 
 
-@needs_shared
-@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl")) if TRACES.is_dir() else [], ids=lambda p: p.name)
-def test_shared_traces_read_and_write_back_identically(path):
+@pytest.mark.parametrize("path", all_traces(), ids=lambda p: p.name)
+def test_recorded_traces_read_and_write_back_identically(path):
     trace = read_trace(str(path))
-    with open(path, encoding="utf-8") as f:
+    with open_text(str(path)) as f:
         original = [json.loads(line) for line in f if line.strip()]
     assert trace.header.raw == original[0]
     assert [c.to_json() for c in trace.calls] == original[1:]
@@ -218,3 +215,42 @@ def test_shim_header_holds_node_facts_and_settings():
     assert h["format"] == "cri-trace" and h["version"] == 1
     assert h["node"]["mem_total_bytes"] == 2060419072 and h["node"]["cgroup_driver"] == "systemd"
     assert h["shim"]["factor"] is None and h["shim"]["policy"] == "tiered"
+
+
+# ----------------------------------------------------------------------- compressed traces
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.xz"])
+def test_compressed_traces_read_like_plain_ones(tmp_path, suffix):
+    import gzip
+    import lzma
+
+    calls = [TraceCall(1, 1.0, 0.5, "/runtime.v1.RuntimeService/Version", b"\x0a\x02v1", None, [b"\x0a\x01x"], "OK", ""),
+             TraceCall(2, 2.0, 0.1, "/runtime.v1.RuntimeService/Status", b"", None, [], "NOT_FOUND", "gone")]
+    plain = tmp_path / "t.jsonl"
+    write_trace(str(plain), header(), calls)
+    data = plain.read_bytes()
+    path = tmp_path / f"c{suffix}"
+    path.write_bytes({".jsonl": data, ".jsonl.gz": gzip.compress(data), ".jsonl.xz": lzma.compress(data)}[suffix])
+    trace = read_trace(str(path))
+    assert [c.to_json() for c in trace.calls] == [c.to_json() for c in calls]
+    assert trace.header.raw == read_trace(str(plain)).header.raw
+    assert trace.problems == []
+    assert trace_stem(str(path)) == "c"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.xz"])
+def test_a_damaged_compressed_trace_is_a_trace_error(tmp_path, suffix):
+    import gzip
+    import lzma
+
+    plain = tmp_path / "t.jsonl"
+    write_trace(str(plain), header(), [])
+    packed = (gzip.compress if suffix.endswith("gz") else lzma.compress)(plain.read_bytes() * 50)
+    path = tmp_path / f"cut{suffix}"
+    path.write_bytes(packed[: len(packed) // 2])  # a download or copy cut short
+    with pytest.raises(TraceError, match="cut"):
+        read_trace(str(path))
+    (tmp_path / f"junk{suffix}").write_bytes(b"not compressed at all")
+    with pytest.raises(TraceError, match="junk"):
+        read_trace(str(tmp_path / f"junk{suffix}"))

@@ -19,7 +19,7 @@ import pytest
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
 from shim.transport.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
-from shim.shared import shared_path
+from shim.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
 
 try:
     from tests.upstream_echo import EchoUpstream, length_delimited, response_bytes
@@ -33,7 +33,6 @@ STATUS = "/runtime.v1.RuntimeService/ContainerStatus"
 EVENTS = "/runtime.v1.RuntimeService/GetContainerEvents"
 MiB = 1024 * 1024
 CLIENT_MAX = 64 * MiB
-TRACES = str(shared_path("traces"))
 
 
 @pytest.fixture(scope="module")
@@ -629,15 +628,12 @@ def test_threaded_relay_on_uvloop(loop, base):
 # ------------------------------------------------------------------------------------ kubelet traces
 
 
-@pytest.mark.parametrize("name", ["kubelet-1.23-cgroupfs-memqos-off.jsonl", "kubelet-1.23-cgroupfs-memqos-on.jsonl",
-                                  "recorder-smoke.jsonl"])
+@pytest.mark.parametrize("name", [MEMQOS_OFF, MEMQOS_ON, SMOKE])
 def test_kubelet_trace_replays_identically_through_both_transports(name):
     """`memqos-shim replay` drives the trace through the real request path; swapping the
     transport under it must change nothing: no replay problem, the same audit records, the
     same bytes at the runtime."""
-    path = os.path.join(TRACES, name)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} not found")
+    path = str(trace_file(name))
     from shim.replay import replay, replay_settings
     from shim.evidence.trace import read_trace
 

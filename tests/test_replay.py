@@ -1,4 +1,4 @@
-"""`memqos-shim replay`: every shared trace through the real proxy and hooks in front of the
+"""`memqos-shim replay`: every recorded trace (tests/data/traces) through the real proxy and hooks in front of the
 trace-driven runtime; golden files; --expect; settings precedence; the runtime's matching."""
 from __future__ import annotations
 
@@ -13,25 +13,23 @@ import pytest
 from shim.cli import main
 from shim.cri import pb
 from shim.decision import Policy
-from shim.evidence.trace import TraceCall, make_header, read_trace, write_trace
+from shim.evidence.trace import TraceCall, make_header, read_trace, trace_stem, write_trace
 from shim.replay import compare_records, drive, load_records, replay, replay_settings
 from shim.trace_runtime import TraceRuntime, normalized_request
 from shim.transport.hooks import CREATE_CONTAINER
-from shim.shared import shared_path
+from shim.traces import MEMQOS_OFF as MEMQOS_OFF_STEM, MEMQOS_ON as MEMQOS_ON_STEM, SMOKE as SMOKE_STEM, TRACES_DIR, all_traces, trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = shared_path("traces")
 GOLDEN = ROOT / "tests" / "golden"
-ALL_TRACES = sorted(TRACES.glob("*.jsonl")) if TRACES.is_dir() else []
-needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
-SMOKE = TRACES / "recorder-smoke.jsonl"
-MEMQOS_ON = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
+ALL_TRACES = all_traces()
+SMOKE = trace_file(SMOKE_STEM)
+MEMQOS_ON = trace_file(MEMQOS_ON_STEM)
 
 _results: dict[str, object] = {}
 
 
 def replayed(path: Path):
-    """Each shared trace is replayed once per test session."""
+    """Each recorded trace is replayed once per test session."""
     key = str(path)
     if key not in _results:
         trace = read_trace(key)
@@ -39,15 +37,13 @@ def replayed(path: Path):
     return _results[key]
 
 
-@needs_shared
-def test_every_shared_trace_is_covered_by_a_golden_file():
-    assert ALL_TRACES, "no traces in ../shared/traces"
-    assert {p.stem for p in ALL_TRACES} == {p.name[: -len(".replay.jsonl")] for p in GOLDEN.glob("*.replay.jsonl")}
+def test_every_recorded_trace_is_covered_by_a_golden_file():
+    assert len(ALL_TRACES) == 3, f"expected the three recorded traces in {TRACES_DIR}"
+    assert {trace_stem(p.name) for p in ALL_TRACES} == {p.name[: -len(".replay.jsonl")] for p in GOLDEN.glob("*.replay.jsonl")}
 
 
-@needs_shared
 @pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
-def test_shared_trace_replays_without_error_and_matches_its_golden_file(path):
+def test_recorded_trace_replays_without_error_and_matches_its_golden_file(path):
     trace, result = replayed(path)
     assert result.problems == []
     assert result.calls == len(trace.calls)
@@ -58,11 +54,10 @@ def test_shared_trace_replays_without_error_and_matches_its_golden_file(path):
     assert sorted(result.forwarded) == sorted(c.seq for c in creates)
     assert len(result.records) == len(creates)
     assert [r["seq"] for r in result.records] == [c.seq for c in trace.in_start_order() if c.method == CREATE_CONTAINER]
-    golden = load_records(str(GOLDEN / f"{path.stem}.replay.jsonl"))
+    golden = load_records(str(GOLDEN / f"{trace_stem(path.name)}.replay.jsonl"))
     assert compare_records(golden, result.records) == []
 
 
-@needs_shared
 def test_unknown_methods_replay_with_their_recorded_answers():
     trace, result = replayed(SMOKE)
     methods = {c.method for c in trace.calls}
@@ -71,7 +66,6 @@ def test_unknown_methods_replay_with_their_recorded_answers():
     assert result.problems == []  # NOT_FOUND / UNIMPLEMENTED came back with the recorded details
 
 
-@needs_shared
 def test_records_carry_the_fields_operators_need():
     _, result = replayed(MEMQOS_ON)
     for r in result.records:
@@ -92,14 +86,13 @@ def small_on(tmp_path) -> Path:
 
     trace = read_trace(str(MEMQOS_ON))
     keep = MethodFilter(None)
-    path = tmp_path / f"{MEMQOS_ON.stem}.jsonl"
+    path = tmp_path / f"{MEMQOS_ON_STEM}.jsonl"
     write_trace(str(path), trace.header.raw, [c for c in trace.calls if keep(c.method)])
     return path
 
 
-@needs_shared
 def test_cli_json_and_expect(tmp_path, capsys, small_on):
-    golden = GOLDEN / f"{MEMQOS_ON.stem}.replay.jsonl"
+    golden = GOLDEN / f"{MEMQOS_ON_STEM}.replay.jsonl"
     assert main(["replay", str(small_on), "--json", "--expect", str(golden)]) == 0
     out, err = capsys.readouterr()
     assert [json.loads(line) for line in out.splitlines()] == load_records(str(golden))
@@ -114,16 +107,14 @@ def test_cli_json_and_expect(tmp_path, capsys, small_on):
     assert "DIFFERS" in err and "unified_after" in err
 
 
-@needs_shared
 def test_cli_flags_override_the_header(capsys, small_on):
-    golden = GOLDEN / f"{MEMQOS_ON.stem}.replay.jsonl"
+    golden = GOLDEN / f"{MEMQOS_ON_STEM}.replay.jsonl"
     assert main(["replay", str(small_on), "--json", "--factor", "0.5", "--expect", str(golden)]) == 1
     out, _ = capsys.readouterr()
     records = [json.loads(line) for line in out.splitlines()]
     assert {r["factor"] for r in records} == {0.5}
 
 
-@needs_shared
 def test_cli_config_file_and_table(tmp_path, capsys, small_on):
     cfg = tmp_path / "config.yaml"
     cfg.write_text("policy: tiered\nlisten: unix:///ignored.sock\n")  # a serve config file is accepted
@@ -166,7 +157,6 @@ def test_settings_precedence():
     assert s.node.allocatable == 4 * 2**30 - 200 * 2**20
 
 
-@needs_shared
 def test_a_recording_made_with_injection_off_replays_to_no_records(tmp_path, small_on):
     trace = read_trace(str(small_on))
     header = dict(trace.header.raw, shim={"enabled": False})
@@ -197,9 +187,8 @@ async def _against_runtime(calls, sent, tag_seq=False):
     return runtime, outcomes
 
 
-@needs_shared
 def test_runtime_alone_answers_a_whole_trace_by_request_bytes():
-    trace = read_trace(str(TRACES / "kubelet-1.23-cgroupfs-memqos-off.jsonl"))
+    trace = read_trace(str(trace_file(MEMQOS_OFF_STEM)))
     runtime, outcomes = _run(_against_runtime(trace.calls, trace.in_start_order()))
     assert [o.problem() for o in outcomes if o.problem()] == []
     assert {a.matched_by for a in runtime.answered} == {"bytes"}

@@ -1,4 +1,4 @@
-"""For every CreateContainer in the shared kubelet traces: what the shim must produce, worked
+"""For every CreateContainer in the recorded kubelet traces: what the shim must produce, worked
 out here from the trace's own facts with the reference's formulas (not from shim.decision,
 which this module never imports), and checked against the replay's audit records and the
 bytes the replay actually forwarded to the runtime.
@@ -6,7 +6,7 @@ bytes the replay actually forwarded to the runtime.
 Facts used per container: the sandbox's cgroup_parent (QoS class), memory_limit_in_bytes,
 oom_score_adj, the kubelet's own `unified` (the MemoryQoS-on trace carries memory.min = the
 request), the header's node capacity, page size and KubeletConfiguration (reservations,
-memoryThrottlingFactor). The pods' true requests (../shared/traces/README.md, manifests/)
+memoryThrottlingFactor). The pods' true requests (tests/data/traces/README.md, manifests/)
 are used only as a sanity check of the derived values, never as an input.
 """
 from __future__ import annotations
@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 
 from shim.cri import pb
-from shim.shared import shared_path
+from shim.evidence.trace import open_text
+from shim.traces import kubelet_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = shared_path("traces")
-KUBELET_TRACES = sorted(TRACES.glob("kubelet-*.jsonl")) if TRACES.is_dir() else []
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
+KUBELET_TRACES = kubelet_traces()
 
 CREATE = "/runtime.v1.RuntimeService/CreateContainer"
 MI = 2**20
@@ -51,7 +50,7 @@ def quantity(text: str) -> int:
 
 
 def load(path: Path) -> tuple[dict, list[dict]]:
-    with open(path, encoding="utf-8") as f:
+    with open_text(str(path)) as f:
         objs = [json.loads(line) for line in f if line.strip()]
     return objs[0], objs[1:]
 

@@ -1,4 +1,4 @@
-"""`serve --record` end to end: kubelet traffic from a shared trace goes through a real
+"""`serve --record` end to end: kubelet traffic from a recorded trace goes through a real
 Service (proxy, hooks, audit log, recorder) in front of the trace-driven runtime; replaying
 the recording through `replay` reproduces the audit records the Service wrote."""
 from __future__ import annotations
@@ -13,12 +13,10 @@ import pytest
 
 from shim.evidence.recorder import HIGH_VOLUME_METHODS
 from shim.evidence.trace import read_trace
-from shim.shared import shared_path
+from shim.traces import kubelet_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = shared_path("traces")
-KUBELET_TRACES = sorted(TRACES.glob("kubelet-*.jsonl")) if TRACES.is_dir() else []
-needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
+KUBELET_TRACES = kubelet_traces()
 
 
 def lines(path) -> list[dict]:
@@ -51,7 +49,6 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in ("time", "seq")}
 
 
-@needs_shared
 @pytest.mark.parametrize("path", KUBELET_TRACES, ids=lambda p: p.name)
 def test_recording_through_the_shim_then_replaying_it_gives_the_same_audit_records(tmp_path, path):
     from shim.config import OPTIONS, resolve

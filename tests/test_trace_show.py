@@ -1,4 +1,4 @@
-"""`memqos-shim trace show` decodes every method present in the shared traces."""
+"""`memqos-shim trace show` decodes every method present in the recorded traces."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,10 @@ import pytest
 
 from shim.cli import main
 from shim.evidence.trace import TraceCall, make_header, read_trace, write_trace
-from shim.shared import shared_path
+from shim.traces import MEMQOS_ON, SMOKE, all_traces, trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = shared_path("traces")
-ALL_TRACES = sorted(TRACES.glob("*.jsonl")) if TRACES.is_dir() else []
-needs_shared = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
+ALL_TRACES = all_traces()
 NO_PROTO = {"/runtime.v1.RuntimeService/NoSuch"}  # a method that does not exist
 
 
@@ -37,7 +35,6 @@ def no_errors(obj) -> bool:
     return True
 
 
-@needs_shared
 @pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
 def test_every_call_of_every_method_is_decoded(path, capsys):
     assert main(["trace", "show", str(path)]) == 0
@@ -58,9 +55,8 @@ def test_every_call_of_every_method_is_decoded(path, capsys):
         assert "_unknown_fields" not in json.dumps(c), (c["seq"], c["method"])
 
 
-@needs_shared
 def test_method_filter_and_readable_create_container(capsys):
-    path = TRACES / "kubelet-1.23-cgroupfs-memqos-on.jsonl"
+    path = trace_file(MEMQOS_ON)
     assert main(["trace", "show", str(path), "--method", "CreateContainer$", "--no-header"]) == 0
     calls = json_stream(capsys.readouterr().out)
     assert len(calls) == 8 and {c["method"] for c in calls} == {"/runtime.v1.RuntimeService/CreateContainer"}
@@ -72,9 +68,8 @@ def test_method_filter_and_readable_create_container(capsys):
     assert len(first["responses"][0]["container_id"]) == 64
 
 
-@needs_shared
 def test_v1alpha2_is_decoded_with_the_v1_types_and_says_so(capsys):
-    assert main(["trace", "show", str(TRACES / "recorder-smoke.jsonl"), "--method", "v1alpha2", "--compact"]) == 0
+    assert main(["trace", "show", str(trace_file(SMOKE)), "--method", "v1alpha2", "--compact"]) == 0
     (header, call) = json_stream(capsys.readouterr().out)
     assert "v1alpha2" in call["decoded_as"] and call["responses"][0]["runtime_api_version"] == "v1alpha2"
 

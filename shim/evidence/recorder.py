@@ -17,7 +17,7 @@ that ``memqos-shim replay`` and ``trace show`` can read on its own.
 
 Which calls: by default every method except the high-volume polling calls in
 ``HIGH_VOLUME_METHODS`` (the kubelet's once-a-second relist, stats and status calls; in
-the shared kubelet traces they are ~95% of all calls). A ``methods`` regex replaces that
+the recorded kubelet traces they are ~95% of all calls). A ``methods`` regex replaces that
 default: a call is recorded when ``re.search(regex, method_path)`` matches, so ``.``
 records everything and ``Create|Update`` only the rewritten methods. ``seq`` counts every
 finished call, recorded or not, so gaps in ``seq`` show where calls were left out.

@@ -1,4 +1,4 @@
-"""The CRI trace format, version 1 (../shared/reference/trace-format.md): read and write.
+"""The CRI trace format, version 1 (docs/trace-format.md): read and write.
 
 A trace is JSON Lines: a header object, then one object per finished RPC with the raw
 protobuf bytes in standard base64. This module only moves bytes between that text form and
@@ -8,18 +8,25 @@ Reading is strict about what the format requires (a header first, the required k
 types of every call line, valid base64) and lenient about what it allows: unknown keys are
 ignored, ``seq`` need not be contiguous, and a last line cut short (a recorder killed in the
 middle of a write) is skipped with a note in ``Trace.problems``.
+
+Files ending in ``.gz`` or ``.xz`` (``calls.jsonl.xz``) are decompressed on the fly when
+read; the recorder writes plain ``.jsonl``.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import datetime as _dt
+import gzip
 import json
+import lzma
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
 FORMAT = "cri-trace"
 VERSION = 1
+# what a trace file's name may end with; compressed ones are read transparently
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz")
 
 
 class TraceError(ValueError):
@@ -304,12 +311,35 @@ def read_trace_stream(stream: TextIO, name: str = "<trace>") -> Trace:
     return Trace(header=header, calls=calls, path=name, problems=problems)
 
 
+def open_text(path: str) -> TextIO:
+    """A trace file opened for reading as UTF-8 text: ``.gz`` and ``.xz`` files are
+    decompressed as they are read, anything else is read as it is."""
+    name = str(path)
+    if name.endswith(".gz"):
+        return gzip.open(name, "rt", encoding="utf-8")
+    if name.endswith(".xz"):
+        return lzma.open(name, "rt", encoding="utf-8")
+    return open(name, encoding="utf-8")
+
+
+def trace_stem(path: str) -> str:
+    """A trace file's name without its directory and suffix:
+    ``.../kubelet-1.23-cgroupfs-memqos-off.jsonl.xz`` -> ``kubelet-1.23-cgroupfs-memqos-off``."""
+    name = str(path).rsplit("/", 1)[-1]
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def read_trace(path: str) -> Trace:
     try:
-        with open(path, encoding="utf-8") as f:
-            return read_trace_stream(f, path)
+        with open_text(path) as f:
+            return read_trace_stream(f, str(path))
     except UnicodeDecodeError as e:
         raise TraceError(f"{path}: not UTF-8 text ({e})") from None
+    except (gzip.BadGzipFile, lzma.LZMAError, EOFError) as e:
+        raise TraceError(f"{path}: not a readable compressed file ({e})") from None
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror or e}") from None
 

@@ -8,7 +8,7 @@ Which containerd behaviour is mimicked, and where it was checked, is stated in e
 docstring. Sources: containerd's ``pkg/cri/server`` (1.6/1.7 ``server`` package: container_*.go,
 sandbox_*.go, image_*.go, helpers.go), ``pkg/cri/opts/spec_linux.go`` (``WithResources``),
 ``pkg/cri/store/*`` (truncindex lookups) and ``pkg/registrar``; and the responses containerd
-1.6.20 actually sent in /work/shared/traces (kubelet-1.23-*.jsonl, recorder-smoke.jsonl).
+1.6.20 actually sent in tests/data/traces (kubelet-1.23-*.jsonl.xz, recorder-smoke.jsonl).
 
 How containerd turns Go errors into gRPC statuses (``errdefs.ToGRPC``): an error wrapping
 ``errdefs.ErrNotFound`` becomes NOT_FOUND, ``context.DeadlineExceeded`` DEADLINE_EXCEEDED,
