@@ -201,6 +201,17 @@ def test_pod_request_example():
     assert got.kinds == {"a": "sidecar", "b": "init", "c": "regular", "d": "regular"}
 
 
+def test_section_numbers_the_code_cites():
+    """Code comments cite "reference section N" (shim/decision/memory.py: 1, shim/reconciler.py: 2,
+    shim/node.py: 3, shim/decision/guard.py: 4)."""
+    headings = re.findall(r"^## (\d+)\. (.+)$", MEMORY_QOS.read_text(encoding="utf-8"), flags=re.M)
+    numbered = {int(n): title for n, title in headings}
+    assert numbered[1].startswith("Container level")
+    assert numbered[2].startswith("Pod, QoS and node level")
+    assert numbered[3].startswith("What CRI carries")
+    assert numbered[4].startswith("Kernel facts")
+
+
 # -- links and self-containment ---------------------------------------------------------------
 MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|^\[[^\]]+\]:\s*(\S+)", re.M)

@@ -350,7 +350,10 @@ def test_compression_table_lists_the_three_suffixes():
     assert suffixes == {"`.jsonl`", "`.jsonl.gz`", "`.jsonl.xz`"}
 
 
-_COMPRESSED_READING = "gzip" in inspect.getsource(trace) and "lzma" in inspect.getsource(trace)
+# Until shim/evidence/trace.py reads compressed files (being added on main), this test is
+# skipped; once the reader mentions both formats it runs. Drop the skipif after the merge.
+_TRACE_SOURCE = inspect.getsource(trace)
+_COMPRESSED_READING = bool(re.search(r"gzip|\.gz\b", _TRACE_SOURCE) and re.search(r"lzma|\.xz\b", _TRACE_SOURCE))
 
 
 @pytest.mark.skipif(not _COMPRESSED_READING,
