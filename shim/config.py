@@ -163,6 +163,14 @@ def _optional_path(v: Any) -> str | None:
     return str(v)
 
 
+def _record_path(v: Any) -> str | None:
+    path = _optional_path(v)
+    if path is not None and path.endswith((".gz", ".xz")):
+        raise ConfigError(f"the recorder writes plain JSON lines; {path!r} would be read back as compressed. "
+                          "Record to a .jsonl file and compress it when it is finished (xz -k FILE)")
+    return path
+
+
 def _octal_mode(v: Any) -> int:
     try:
         mode = int(str(v), 8)
@@ -207,7 +215,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("socket-mode", None, _octal_mode, "socket mode (octal); default 0600, or 0660 with --socket-group"),
     Option("meminfo", "/proc/meminfo", str, "where MemTotal is read from"),
     Option("log-level", "info", str, "debug, info, warning or error"),
-    Option("record", None, _optional_path,
+    Option("record", None, _record_path,
            "record every finished CRI call to FILE in the cri-trace format (request as the kubelet sent "
            "it, forwarded bytes when rewritten, responses, code, timing); default: off", "FILE"),
     Option("record-max-bytes", 64 * 1024 * 1024, _quantity,

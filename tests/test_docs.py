@@ -253,9 +253,9 @@ _SHARED = re.compile(r"\.\./shared|(?<![\w.-])shared/")
 
 @pytest.mark.parametrize("path", [
     *sorted(DOCS.glob("*.md")),
-    # README.md still sends readers to ../shared/reference (issue G): drop this mark once it links docs/
-    pytest.param(ROOT / "README.md", marks=pytest.mark.xfail(
-        strict=True, reason="README.md still mentions ../shared; remove the mark when it is fixed")),
+    ROOT / "README.md",
+    ROOT / "tests" / "data" / "traces" / "README.md",
+    ROOT / "tests" / "golden" / "README.md",
 ], ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_mention_of_the_shared_directory(path):
     hits = [line for line in path.read_text(encoding="utf-8").splitlines() if _SHARED.search(line)]

@@ -254,3 +254,15 @@ def test_a_damaged_compressed_trace_is_a_trace_error(tmp_path, suffix):
     (tmp_path / f"junk{suffix}").write_bytes(b"not compressed at all")
     with pytest.raises(TraceError, match="junk"):
         read_trace(str(tmp_path / f"junk{suffix}"))
+
+
+def test_serve_refuses_to_record_to_a_compressed_file_name(tmp_path, capsys):
+    """The recorder writes plain lines; a .gz/.xz name would make every reader fail on it."""
+    from shim.cli import main
+
+    for name in ("cri.jsonl.gz", "cri.jsonl.xz"):
+        rc = main(["serve", "--listen", str(tmp_path / "s.sock"), "--upstream", str(tmp_path / "u.sock"),
+                   "--record", str(tmp_path / name), "--kubelet-config", "none"])
+        assert rc == 2
+        assert "plain JSON lines" in capsys.readouterr().err
+        assert not (tmp_path / name).exists()

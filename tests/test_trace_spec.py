@@ -350,15 +350,6 @@ def test_compression_table_lists_the_three_suffixes():
     assert suffixes == {"`.jsonl`", "`.jsonl.gz`", "`.jsonl.xz`"}
 
 
-# Until shim/evidence/trace.py reads compressed files (being added on main), this test is
-# skipped; once the reader mentions both formats it runs. Drop the skipif after the merge.
-_TRACE_SOURCE = inspect.getsource(trace)
-_COMPRESSED_READING = bool(re.search(r"gzip|\.gz\b", _TRACE_SOURCE) and re.search(r"lzma|\.xz\b", _TRACE_SOURCE))
-
-
-@pytest.mark.skipif(not _COMPRESSED_READING,
-                    reason="shim/evidence/trace.py in this tree does not read .jsonl.gz/.jsonl.xz yet "
-                           "(issue G: being added on main); runs as soon as it does")
 @pytest.mark.parametrize("suffix,opener", [(".jsonl.gz", gzip.open), (".jsonl.xz", lzma.open)])
 def test_compressed_example_reads_the_same(suffix, opener, tmp_path):
     text = "\n".join(example_lines()) + "\n"
