@@ -660,7 +660,7 @@ def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callab
             m[name]["quick_under_slow_p50_ms"] = pct(lat, 50) * 1e3
             m[name]["quick_under_slow_max_ms"] = max(lat) * 1e3
 
-        log(f"  kubelet-like load, {sizes.replay_pods} pods")
+        log(f"  kubelet-like load, {sizes.replay_pods} pods (call mix: {w.rates_source})")
         schedule = replay_schedule(w, sizes.replay_pods, sizes.replay_seconds)
         m["direct"]["replay_calls_per_s"] = len(schedule) / sizes.replay_seconds
         # the schedule in 1 s slices, each replayed through every target in turn (the order
