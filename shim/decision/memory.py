@@ -31,22 +31,36 @@ def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> in
     return (high // page_size) * page_size
 
 
+def protection_key(policy: Policy, qos: QoSClass) -> str | None:
+    """The interface file that carries a pod's / container's request under a policy (the
+    kubelet's memoryReservationPolicy mapping, KEP-2570): None when nothing is protected."""
+    if policy is Policy.NONE or qos is QoSClass.BESTEFFORT:
+        return None
+    if policy is Policy.HARD:
+        return "memory.min"
+    if policy is Policy.SOFT:
+        return "memory.low"
+    return "memory.min" if qos is QoSClass.GUARANTEED else "memory.low"  # TieredReservation
+
+
 def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, int], dict[str, str]]:
     keys: dict[str, int] = {}
     reasons: dict[str, str] = {}
     why = f"request {req.bytes} from {req.source.value}"
+    key = protection_key(policy, qos)
     if policy is Policy.NONE:
-        reasons["memory.min"] = reasons["memory.low"] = "not set: policy none"
-    elif req.bytes <= 0:
+        reasons["memory.min"] = reasons["memory.low"] = "not set: policy None"
+    elif req.bytes <= 0 or key is None:
         reasons["memory.min"] = reasons["memory.low"] = "not set: no memory request"
-    elif policy is Policy.TIERED and qos is QoSClass.BURSTABLE:
-        keys["memory.low"] = req.bytes
-        reasons["memory.low"] = f"{why} (policy tiered, Burstable)"
-        reasons["memory.min"] = "not set: policy tiered protects Burstable with memory.low"
     else:
-        keys["memory.min"] = req.bytes
-        reasons["memory.min"] = f"{why} (policy {policy.value})"
-        reasons["memory.low"] = "not set: memory.min protects this container"
+        other = "memory.low" if key == "memory.min" else "memory.min"
+        keys[key] = req.bytes
+        if policy is Policy.TIERED_RESERVATION:
+            reasons[key] = f"{why} (policy TieredReservation, {qos.value})"
+            reasons[other] = f"not set: policy TieredReservation protects {qos.value} with {key}"
+        else:
+            reasons[key] = f"{why} (policy {policy.value})"
+            reasons[other] = f"not set: {key} protects this container"
     return keys, reasons
 
 
