@@ -160,6 +160,17 @@ def _policy(v: Any) -> Policy:
                           f"{list(POLICY_ALIASES)}), not {v!r}")
 
 
+def _kubelet_version(v: Any) -> str:
+    if isinstance(v, float):  # YAML reads 1.30 as the number 1.3
+        raise ConfigError(f"write the kubelet version as a string (e.g. '1.30'), not the number {v!r}")
+    text = str(v).strip()
+    if text.lower() in ("auto", "unknown"):
+        return text.lower()
+    if not re.fullmatch(r"v?\d+\.\d+(\.\d+)?([-+].*)?", text):
+        raise ConfigError(f"kubelet version must be like 1.37 or v1.37.2, 'auto' or 'unknown', not {v!r}")
+    return text
+
+
 def _optional_path(v: Any) -> str | None:
     if v is None or str(v).strip().lower() in ("", "none"):
         return None
@@ -192,6 +203,10 @@ OPTIONS: tuple[Option, ...] = (
            "the runtime's CRI socket (containerd or CRI-O)"),
     Option("kubelet-config", "/var/lib/kubelet/config.yaml", _optional_path,
            "KubeletConfiguration file to read reservations, cgroup driver and factor from; 'none' to skip"),
+    Option("kubelet-version", "auto", _kubelet_version,
+           "the kubelet's version (e.g. 1.37), for what it writes itself (MemoryQoS defaults changed in 1.36 "
+           "and 1.37); 'auto': run `kubelet --version` (the running kubelet's executable, else the one on PATH) "
+           "once at start-up; 'unknown': assume the conservative case", "V"),
     Option("cgroup-root", "/sys/fs/cgroup", str, "where the cgroup v2 hierarchy is mounted"),
     Option("node-allocatable", None, _quantity,
            "node allocatable memory (quantity); default: MemTotal - kubeReserved - systemReserved", "Q"),

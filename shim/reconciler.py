@@ -232,6 +232,7 @@ class Reconciler:
         emit: Callable[[dict], None],
         client_factory: Callable[[], object] | None = None,
         resync_interval: float = 30.0,
+        ownership=None,
     ):
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
@@ -239,6 +240,13 @@ class Reconciler:
         self.page_size = page_size
         self.capacity = capacity
         self.resync_interval = resync_interval
+        # scopes (pod, qos, kubepods, reserved) the kubelet writes itself: left to it
+        if ownership is None:
+            from shim.kubelet_model import kubelet_writes, ownership as owners_for
+
+            ownership = owners_for(kubelet_writes(kubelet, None), policy)
+        self.ownership = ownership
+        self.kubelet_scopes = ownership.kubelet_scopes()
         self._emit = emit
         self._client_factory = client_factory
         self.client = None
@@ -291,8 +299,8 @@ class Reconciler:
                 self.client = self._client_factory()
             except Exception as e:
                 self._error("client", f"cannot create the runtime client: {e}")
-        if self.policy is Policy.NONE and self.kubelet.memory_qos_gate:
-            log.info("policy none and the kubelet's MemoryQoS gate is on: pod/QoS/node values are left to the kubelet")
+        if self.kubelet_scopes:
+            log.info("left to the kubelet (it writes them itself): %s", ", ".join(sorted(self.kubelet_scopes)))
         self._guard(self._resync, "startup", True)
         next_at = time.monotonic() + self._interval()
         while True:
@@ -420,7 +428,8 @@ class Reconciler:
         else:
             log.info("pod/QoS/node memory protection is active (%s driver)", self.layout.driver)
             self._emit({"event": "reconciler-active", "driver": self.layout.driver,
-                        "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value})
+                        "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value,
+                        **({"left_to_kubelet": sorted(self.kubelet_scopes)} if self.kubelet_scopes else {})})
 
     def _check_tree(self) -> bool:
         k = self.kubelet
@@ -462,23 +471,33 @@ class Reconciler:
         self._emit({"event": "cgroup-refused", "reason": reason})
 
     def targets(self) -> dict[tuple[str, str], Target]:
-        if self.policy is Policy.NONE and self.kubelet.memory_qos_gate:
-            return {}
         targets, refusals = compute_targets(self.state, self.layout, self.policy, self.page_size, self.reserved,
-                                            self.fs.validate)
+                                            self.fs.validate, kubelet_owns=self.kubelet_scopes)
         for key, why in refusals:
             self._refuse(key, why)
         return targets
+
+    def _kubelet_path(self, path: str) -> bool:
+        """Whether a cgroup path is in a scope the kubelet owns (then the shim never zeroes it)."""
+        lay = self.layout
+        if lay is None:
+            return True
+        if path == lay.kubepods:
+            return "kubepods" in self.kubelet_scopes
+        if path in (lay.qos(QoSClass.BURSTABLE), lay.qos(QoSClass.BESTEFFORT)):
+            return "qos" in self.kubelet_scopes
+        if any(path == r.path for r in self.reserved):
+            return "reserved" in self.kubelet_scopes
+        return "pod" in self.kubelet_scopes
 
     def _reconcile(self, reason: str, full: bool) -> int:
         """Bring every managed file to its target. Returns the number of writes."""
         if not self.recovered or not self._check_tree():
             return 0
         targets = self.targets()
-        if not (self.policy is Policy.NONE and self.kubelet.memory_qos_gate):
-            for key, level in self.written.items():
-                if key not in targets:
-                    targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
+        for key, level in self.written.items():
+            if key not in targets and not (self.kubelet_scopes and self._kubelet_path(key[0])):
+                targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
         if full:  # forget cgroups no longer managed (pods long gone)
             self.known = {k: v for k, v in self.known.items() if k in targets}
         plan = []
@@ -534,7 +553,8 @@ class Reconciler:
         return writes
 
 
-def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], None]) -> Reconciler | None:
+def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], None],
+                     ownership=None) -> Reconciler | None:
     """The reconciler `serve` runs (None with --reconcile false). Its runtime client talks to
     the upstream directly, not through the proxy."""
     if not getattr(cfg, "reconcile", True):
@@ -550,4 +570,5 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
         emit=emit,
         client_factory=lambda: RuntimeClient(cfg.upstream),
         resync_interval=getattr(cfg, "resync_interval", 30.0),
+        ownership=ownership,
     )

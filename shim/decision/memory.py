@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from types import MappingProxyType
+from typing import Mapping
 
 from shim.decision.facts import (
     OWNED_KEYS,
@@ -98,6 +99,7 @@ def decide(
     request: Request | None = None,
     *,
     reset_absent: bool = False,
+    kubelet_owns: Mapping[str, str] = MappingProxyType({}),
 ) -> Decision:
     """What the shim puts in the container's unified map, and why.
 
@@ -105,7 +107,11 @@ def decide(
     explain states it). `reset_absent` (updates): a key the shim does not set gets its
     neutral value ("0", or "max" for memory.high) instead of being left out, because
     containerd merges an update's unified map into the container's and never removes
-    a key -- leaving it out would keep the old value in force."""
+    a key -- leaving it out would keep the old value in force.
+
+    `kubelet_owns`: owned keys the kubelet is configured to write itself (key -> why, from
+    shim.kubelet_model.Ownership): its value is forwarded unchanged, or left out when it sent
+    none."""
     qos, qos_reason = qos_class(pod.cgroup_parent, container.oom_score_adj)
     req = request if request is not None else resolve_request(pod, container, qos, node.capacity)
     desired, reasons = _protection(policy, qos, req)
@@ -116,6 +122,13 @@ def decide(
     before = dict(container.unified)
     after = {k: v for k, v in before.items() if k not in OWNED_KEYS}
     for key in OWNED_KEYS:
+        if key in kubelet_owns:
+            if key in before:
+                after[key] = before[key]
+                reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
+            else:
+                reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
+            continue
         if key in desired:
             after[key] = str(desired[key])
             if key in before and before[key] != after[key]:
