@@ -149,3 +149,23 @@ def test_kubelet_owned_values_are_not_zeroed_when_pods_go(stack):
     s.svc.reconciler.request_resync("test", fresh=True)
     s.sync()
     assert s.writes == [] and {(p, f): s.tree.get(p, f) for p, f in kubelet_files} == kubelet_files
+
+
+def test_container_cgroup_files_under_systemd(tmp_path):
+    """The values end up in the container's cgroup as runc would write them: the fake runtime
+    makes cri-containerd-<id>.scope in the expanded pod slice of the same tree."""
+    from shim.fake_runtime import FakeRuntime
+    from tests.reconciler_support import FakeCgroupTree
+
+    tree = FakeCgroupTree(tmp_path / "cgroup", "systemd")
+    rt = FakeRuntime(cgroup_driver="systemd", cgroup_root=str(tree.root))
+    s = Stack(tmp_path, driver="systemd", kubelet_extra=CONFIGS["factor"], extra=("--kubelet-version", "1.37"),
+              tree=tree, runtime=rt)
+    try:
+        sent, got, _, cids = run(s, "factor")
+        scope = tree.root / tree.pod("burstable", B_UID) / f"cri-containerd-{cids['b']}.scope"
+        files = {f: (scope / f).read_text().strip() for f in ("memory.min", "memory.high", "memory.max")}
+        assert files == {"memory.min": str(B_REQ), "memory.high": sent["b"]["memory.high"], "memory.max": str(B_LIM)}
+        assert not (scope / "memory.low").exists()  # the shim dropped the kubelet's neutral "0"
+    finally:
+        s.close()
