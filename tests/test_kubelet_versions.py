@@ -34,6 +34,8 @@ from shim.kubelet_model import (
 from shim.kubelet_requests import kubelet_unified
 from shim.node import KubeletFacts, kubelet_facts_from_dict
 from shim.reconciler import compute_targets
+from shim.doctor import PASS as PASS_
+from shim.doctor import WARN as WARN_
 from shim.shared import shared_path
 
 Mi, Gi = 2**20, 2**30
@@ -360,3 +362,35 @@ def test_kubelet_unified_reproduces_the_recorded_v1_23_kubelet(name):
         assert got == dict(req.config.linux.resources.unified), (pod, req.config.metadata.name)
         seen += 1
     assert seen == 8
+
+
+# -- doctor -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("doc,version,kubelet_side,verdict", [
+    ("memoryReservationPolicy: TieredReservation\n", "1.37", {"pod", "qos", "kubepods", "reserved"}, PASS_),
+    ("memoryThrottlingFactor: 0.9\n", "1.37", set(), PASS_),
+    ("", "1.37", set(), PASS_),
+    ("memoryReservationPolicy: TieredReservation\n", "unknown", {"pod", "qos", "kubepods", "reserved"}, WARN_),
+])
+def test_doctor_says_who_owns_each_value(tmp_path, doc, version, kubelet_side, verdict):
+    from tests.test_doctor import cfg, env, fake_proc, v2_tree
+
+    from shim.doctor import Doctor
+
+    v2_tree(tmp_path / "cg")
+    (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")
+    (tmp_path / "kubelet.yaml").write_text("cgroupDriver: cgroupfs\n" + doc)
+    c = cfg(cgroup_root=str(tmp_path / "cg"), meminfo=str(tmp_path / "meminfo"),
+            kubelet_config=str(tmp_path / "kubelet.yaml"), kubelet_version=version)
+    results = {r.name: r for r in Doctor(c, env(fake_proc(tmp_path))).check_kubelet_config()}
+    r = results["ownership"]
+    assert r.verdict == verdict
+    rows = {line.split("  ")[0].strip(): line for line in r.details if line.startswith(("container", "pod", "QoS",
+                                                                                       "kubepods", "kube-"))}
+    assert len(rows) == 6
+    owners = {k: "kubelet" if f" {'kubelet':8} " in v else "shim" for k, v in rows.items()}
+    scope = {"pod memory.min / memory.low": "pod", "QoS cgroups (burstable, besteffort)": "qos",
+             "kubepods": "kubepods", "kube-reserved / system-reserved": "reserved"}
+    assert {scope[k] for k, who in owners.items() if who == "kubelet" and k in scope} == kubelet_side
+    if "Factor" in doc:
+        assert owners["container memory.high"] == "kubelet"
+    assert results["MemoryQoS gate"].verdict == (WARN_ if doc else PASS_)
