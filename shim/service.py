@@ -48,9 +48,9 @@ def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_ro
 
 
 def kubelet_ownership(cfg, kubelet):
-    """(KubeletWrites, Ownership) for this node: the kubelet's version (--kubelet-version; 'auto'
-    runs `kubelet --version` once, here at start-up, never on the CRI path), what it writes
-    itself, and who owns each value."""
+    """(KubeletWrites, Ownership, how the version was found) for this node: the kubelet's
+    version (--kubelet-version; 'auto' runs `kubelet --version` once, here at start-up, never on
+    the CRI path), what it writes itself, and who owns each value."""
     from shim.kubelet_model import detect_kubelet_version, kubelet_writes, ownership
 
     version, how = detect_kubelet_version(getattr(cfg, "kubelet_version", "auto") or "auto")
