@@ -506,6 +506,14 @@ class Doctor:
                 f"{self.cfg.guard_window:g} s at memory.high; restore after {self.cfg.guard_cooldown:g} s calm; "
                 f"sampled every {interval:g} s")
         details, problems = self._guard_episodes()
+        try:
+            _, owners, _ = self._ownership()
+        except Exception:  # the ownership check reports its own failure
+            owners = None
+        if owners is not None and owners.owner("container memory.high") == "kubelet" and self.cfg.guard_action == "relax":
+            return Result(name, WARN, desc, [
+                f"the kubelet owns container memory.high ({owners.reasons['container memory.high']}): serve's guard",
+                "reports crawling containers instead of relaxing them (relaxing would fight the kubelet)"] + details)
         if self.cfg.guard_action == "none":
             return Result(name, WARN, desc, ["report only: a container past memory.high keeps crawling"] + details)
         if self.cfg.guard_window < 2 * interval:

@@ -169,3 +169,8 @@ def test_container_cgroup_files_under_systemd(tmp_path):
         assert not (scope / "memory.low").exists()  # the shim dropped the kubelet's neutral "0"
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("config,action", [("factor", "none"), ("tiered", "relax"), ("defaults", "relax")])
+def test_the_guard_reports_instead_of_relaxing_a_memory_high_the_kubelet_owns(stack, config, action):
+    assert stack(config, "cgroupfs").svc.service.monitor.guard.action.value == action
