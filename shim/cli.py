@@ -67,6 +67,14 @@ async def _serve(service) -> int:
 
 
 # -- explain -------------------------------------------------------------------
+def _policy_arg(v: str) -> str:
+    try:
+        return Policy(v).value
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown policy {v!r}: Hard, Soft, TieredReservation, None "
+                                         "(or request, tiered, none)") from None
+
+
 def _explain_factor(v: str) -> float | None:
     if v.lower() == "none":
         return None
@@ -90,7 +98,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         page = int(args.page_size) if args.page_size else os.sysconf("SC_PAGE_SIZE")
         if page <= 0:
             raise ValueError("page size must be positive")
-        policy = Policy(args.policy)
+        policy = Policy(args.policy)  # already checked by argparse
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
@@ -211,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--page-size", default=None, metavar="N", help="page size (default: the system's)")
     ex.add_argument("--qos", choices=["guaranteed", "burstable", "besteffort"],
                     help="QoS class (default: from request and limit)")
-    ex.add_argument("--policy", default="request", choices=[p.value for p in Policy])
+    ex.add_argument("--policy", default="Hard", type=_policy_arg, metavar="POLICY",
+                    help="Hard (default), Soft, TieredReservation or None; also the earlier names "
+                         "request, tiered, none")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
     ex.add_argument("--plot", metavar="FILE.png",

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-from shim.decision import Policy
+from shim.decision import POLICY_ALIASES, Policy
 from shim.quantity import QuantityError, parse_bytes
 
 
@@ -151,10 +151,24 @@ def _transport(v: Any) -> str:
 
 
 def _policy(v: Any) -> Policy:
+    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)
+    or one of the shim's earlier names (request, tiered, none)."""
     try:
         return Policy(str(v))
     except ValueError:
-        raise ConfigError(f"policy must be one of {[p.value for p in Policy]}, not {v!r}")
+        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (or the earlier names "
+                          f"{list(POLICY_ALIASES)}), not {v!r}")
+
+
+def _kubelet_version(v: Any) -> str:
+    if isinstance(v, float):  # YAML reads 1.30 as the number 1.3
+        raise ConfigError(f"write the kubelet version as a string (e.g. '1.30'), not the number {v!r}")
+    text = str(v).strip()
+    if text.lower() in ("auto", "unknown"):
+        return text.lower()
+    if not re.fullmatch(r"v?\d+\.\d+(\.\d+)?([-+].*)?", text):
+        raise ConfigError(f"kubelet version must be like 1.37 or v1.37.2, 'auto' or 'unknown', not {v!r}")
+    return text
 
 
 def _optional_path(v: Any) -> str | None:
@@ -197,14 +211,21 @@ OPTIONS: tuple[Option, ...] = (
            "the runtime's CRI socket (containerd or CRI-O)"),
     Option("kubelet-config", "/var/lib/kubelet/config.yaml", _optional_path,
            "KubeletConfiguration file to read reservations, cgroup driver and factor from; 'none' to skip"),
+    Option("kubelet-version", "auto", _kubelet_version,
+           "the kubelet's version (e.g. 1.37), for what it writes itself (MemoryQoS defaults changed in 1.36 "
+           "and 1.37); 'auto': run `kubelet --version` (the running kubelet's executable, else the one on PATH) "
+           "once at start-up; 'unknown': assume the conservative case", "V"),
     Option("cgroup-root", "/sys/fs/cgroup", str, "where the cgroup v2 hierarchy is mounted"),
     Option("node-allocatable", None, _quantity,
            "node allocatable memory (quantity); default: MemTotal - kubeReserved - systemReserved", "Q"),
     Option("factor", "auto", _factor,
            "memory throttling factor in (0, 1] for memory.high, or 'none'; default: the kubelet's "
            "memoryThrottlingFactor when its config sets one, else 0.9", "F"),
-    Option("policy", Policy.REQUEST, _policy,
-           "protection policy: request (memory.min = request), tiered (Burstable gets memory.low), none"),
+    Option("policy", Policy.HARD, _policy,
+           "protection policy, named like the kubelet's memoryReservationPolicy: Hard (memory.min = request "
+           "for every pod and container with one), Soft (memory.low = request for all), TieredReservation "
+           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); the earlier "
+           "names request (= Hard), tiered (= TieredReservation) and none (= None) are still accepted"),
     Option("audit-log", "-", _optional_path, "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
     Option("page-size", None, _positive_int, "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),

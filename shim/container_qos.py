@@ -111,9 +111,13 @@ class ContainerMemoryQoS:
         *,
         enabled: bool = True,
         disabled_reason: str = "",
+        ownership=None,
     ):
         self.node = node
         self.policy = policy
+        # shim.kubelet_model.Ownership: unified keys the kubelet is configured to write are kept
+        self.ownership = ownership
+        self.kubelet_keys = MappingProxyType(ownership.kubelet_keys() if ownership is not None else {})
         self._emit = emit
         self.enabled = enabled
         self.disabled_reason = disabled_reason
@@ -210,7 +214,8 @@ class ContainerMemoryQoS:
                       "reason": "no linux resources in the request"}
             return request, record, None
         resources = config.linux.resources
-        decision = decide(pod, _container_facts(name, resources), self.node, self.policy)
+        decision = decide(pod, _container_facts(name, resources), self.node, self.policy,
+                          kubelet_owns=self.kubelet_keys)
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request)
         lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
@@ -253,7 +258,8 @@ class ContainerMemoryQoS:
         else:
             pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
             base["note"] = "container not seen at creation: QoS and request from the update alone"
-        decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True)
+        decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True,
+                          kubelet_owns=self.kubelet_keys)
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
         record = partial(self._decision_record, dict, (base,), decision, **extra)
         if not decision.changed:
@@ -274,6 +280,7 @@ class ContainerMemoryQoS:
             "factor": self.node.factor,
             "page_size": self.node.page_size,
             "policy": self.policy.value,
+            **({"kubelet_owns": sorted(self.kubelet_keys)} if self.kubelet_keys else {}),
             "unified_before": dict(d.unified_before),
             "unified_after": dict(d.unified_after),
             "reasons": dict(d.reasons),

@@ -236,6 +236,15 @@ class Doctor:
                                       f"(kubelet not started? driver {driver})")
         return Result(name, PASS, f"memory in cgroup.subtree_control along {', '.join(checked)}")
 
+    def _ownership(self):
+        """(KubeletWrites, Ownership, how the version was found), as `serve` would see them."""
+        from shim.kubelet_model import detect_kubelet_version, kubelet_writes, ownership
+
+        version, how = detect_kubelet_version(getattr(self.cfg, "kubelet_version", "auto") or "auto",
+                                              proc_root=self.env.proc)
+        writes = kubelet_writes(self.kubelet, version)
+        return writes, ownership(writes, self.cfg.policy), how
+
     # kubelet
     def check_kubelet_config(self) -> list[Result]:
         from shim.node import node_facts, read_mem_total
@@ -271,12 +280,24 @@ class Doctor:
             out.append(Result("cgroup driver", PASS, f"{k.cgroup_driver}, as laid out under {self.cfg.cgroup_root}"))
         if not k.cgroups_per_qos:
             out.append(Result("cgroupsPerQOS", WARN, "false: no QoS cgroups, the reconciler has nothing to protect"))
-        if k.memory_qos_gate:
-            out.append(Result("MemoryQoS gate", WARN, "on in the kubelet: it writes its own memory.min/memory.high", [
-                "the kubelet and the shim's reconciler then fight over pod/QoS/node memory.min; the shim overrides",
-                "the container keys. Turn the gate off (featureGates: {MemoryQoS: false}) and let the shim do it."]))
+        writes, owners, how = self._ownership()
+        if writes.gate and (writes.writes_protection or writes.writes_high):
+            out.append(Result("MemoryQoS gate", WARN, f"on in the kubelet ({writes.gate_reason}): it writes its own "
+                                                      "memory values", [
+                writes.summary(),
+                "'ownership' says which values stay the kubelet's and which the shim writes; to let the shim do all,",
+                "turn the gate off (featureGates: {MemoryQoS: false}) or unset memoryReservationPolicy and",
+                "memoryThrottlingFactor (v1.36+)."]))
         else:
-            out.append(Result("MemoryQoS gate", PASS, f"{gate}: no fight over memory.min / memory.high"))
+            out.append(Result("MemoryQoS gate", PASS, f"{gate} ({writes.gate_reason}): the kubelet writes no "
+                                                      "memory.min / memory.low / memory.high itself"))
+        details = [f"kubelet version: {how}", writes.summary()]
+        details += [f"assumed: {a}" for a in writes.assumptions]
+        details += owners.lines()
+        kubelet_side = [w for w, who in owners.owners.items() if who == "kubelet"]
+        out.append(Result("ownership", WARN if writes.version is None and writes.assumptions else PASS,
+                          ("kubelet owns " + ", ".join(kubelet_side) if kubelet_side else "the shim owns every value")
+                          + f"; shim policy {self.cfg.policy.value}", details))
         # reservations and factor as the shim would use them
         try:
             capacity = read_mem_total(self.cfg.meminfo)
@@ -485,6 +506,14 @@ class Doctor:
                 f"{self.cfg.guard_window:g} s at memory.high; restore after {self.cfg.guard_cooldown:g} s calm; "
                 f"sampled every {interval:g} s")
         details, problems = self._guard_episodes()
+        try:
+            _, owners, _ = self._ownership()
+        except Exception:  # the ownership check reports its own failure
+            owners = None
+        if owners is not None and owners.owner("container memory.high") == "kubelet" and self.cfg.guard_action == "relax":
+            return Result(name, WARN, desc, [
+                f"the kubelet owns container memory.high ({owners.reasons['container memory.high']}): serve's guard",
+                "reports crawling containers instead of relaxing them (relaxing would fight the kubelet)"] + details)
         if self.cfg.guard_action == "none":
             return Result(name, WARN, desc, ["report only: a container past memory.high keeps crawling"] + details)
         if self.cfg.guard_window < 2 * interval:

@@ -70,3 +70,59 @@ def update_resources(container_id: str, *, limit: int, oom_score_adj: int, unifi
     u.linux.cpu_period, u.linux.cpu_shares = 100000, 2
     u.linux.unified.update(unified or {})
     return u
+
+
+def kubelet_unified(writes, qos: str, *, request: int = 0, limit: int = 0, allocatable: int = 0,
+                    page_size: int = 4096, oom_group: bool = True) -> dict[str, str]:
+    """The ``unified`` map a kubelet puts in a container's LinuxContainerResources on cgroup v2,
+    for the kubelet described by ``writes`` (shim.kubelet_model.KubeletWrites): what the shim
+    receives from kubelets of each version (kuberuntime_container_linux.go, KEP-2570).
+
+    * v1.32+ on cgroup v2 (singleProcessOOMKill unset): memory.oom.group="1";
+    * gate off, v1.37+: memory.high="max", so that a value from an earlier enablement is cleared
+      (kubernetes/kubernetes#139377); before v1.37 nothing;
+    * gate on, before v1.36: memory.min = request when non-zero, memory.high by the version's
+      formula when the result is above the request (v1.22-v1.26: limit, or allocatable, x factor,
+      truncated, no page rounding -- as the recorded v1.23 kubelet sent it; v1.27+: req + (limit -
+      req) x factor to a page, and only when request != limit);
+    * gate on, v1.36+: memory.min and memory.low always present: the request in the key its
+      memoryReservationPolicy maps the QoS class to, "0" otherwise; memory.high as above when a
+      factor is in force (BestEffort too from v1.37, kubernetes/kubernetes#138139 -- by merge
+      date, assumed), else "max" (v1.37 with memoryThrottlingFactor unset: assumed, not recorded --
+      a neutral value like the gate-off case).
+    """
+    import math
+
+    from shim.decision import QoSClass, protection_key
+
+    q = {"guaranteed": QoSClass.GUARANTEED, "burstable": QoSClass.BURSTABLE,
+         "besteffort": QoSClass.BESTEFFORT}[qos.lower()]
+    v = writes.version or (1, 37)
+    # memory.oom.group: v1.32+ on cgroup v2 unless singleProcessOOMKill
+    unified: dict[str, str] = {"memory.oom.group": "1"} if oom_group and v >= (1, 32) else {}
+    if not writes.gate:
+        if v >= (1, 37):
+            unified["memory.high"] = "max"
+        return unified
+    if not writes.policy_aware:
+        if request:
+            unified["memory.min"] = str(request)
+    else:
+        key = protection_key(writes.protection, q) if writes.protection is not None else None
+        unified["memory.min"] = str(request) if key == "memory.min" and request else "0"
+        unified["memory.low"] = str(request) if key == "memory.low" and request else "0"
+    high = None
+    f = writes.factor
+    ceiling = limit or allocatable
+    if f is not None and ceiling > 0:
+        if writes.formula == "v1.22":  # limit (or allocatable) x factor, truncated, no page rounding
+            high = int(float(ceiling) * f)
+        elif request != limit or (request == 0 and v >= (1, 37)):
+            high = math.floor(float(request) + (float(ceiling) - float(request)) * f) // page_size * page_size
+        if high is not None and not (high != 0 and high > request):
+            high = None
+    if high is not None:
+        unified["memory.high"] = str(high)
+    elif writes.policy_aware and f is None and v >= (1, 37):
+        unified["memory.high"] = "max"
+    return unified

@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from shim.decision.guard import (
@@ -630,7 +630,15 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
         sources.append(lambda: refs_from_container_qos(container_qos))
     if reconciler is not None:
         sources.append(lambda: refs_from_reconciler(reconciler))
-    return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard_config(cfg), interval=interval,
+    guard = guard_config(cfg)
+    owners = getattr(container_qos, "ownership", None)
+    kubelet_high = owners is not None and owners.owner("container memory.high") == "kubelet"
+    if kubelet_high and guard.action is GuardAction.RELAX:
+        # the kubelet is configured to set memory.high itself: relaxing it would fight the kubelet
+        log.warning("the kubelet owns container memory.high (%s): the guard reports crawls instead of relaxing",
+                    owners.reasons["container memory.high"])
+        guard = replace(guard, action=GuardAction.NONE)
+    return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
                    emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg))
 
 

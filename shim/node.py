@@ -14,6 +14,8 @@ from shim.quantity import QuantityError, parse_bytes
 log = logging.getLogger(__name__)
 
 DEFAULT_FACTOR = 0.9
+# the kubelet's memoryReservationPolicy values: v1.36 None / TieredReservation, v1.38 proposal Hard / Soft
+RESERVATION_POLICIES = ("None", "TieredReservation", "Hard", "Soft")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class KubeletFacts:
     enforce_node_allocatable: tuple[str, ...] = ("pods",)
     memory_throttling_factor: float | None = None  # None: not in the file
     memory_qos_gate: bool | None = None  # featureGates.MemoryQoS, None: not set
+    # memoryReservationPolicy (v1.36+): None, TieredReservation (v1.38 proposal: Hard, Soft);
+    # None here: not in the file
+    memory_reservation_policy: str | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -67,6 +72,11 @@ def kubelet_facts_from_dict(doc: Any, source: str) -> KubeletFacts:
             factor = float(factor)
     gates = doc.get("featureGates") or {}
     gate = gates.get("MemoryQoS") if isinstance(gates, Mapping) else None
+    reservation = doc.get("memoryReservationPolicy")
+    if reservation is not None and reservation not in RESERVATION_POLICIES:
+        problems.append(f"memoryReservationPolicy {reservation!r} is not one of {list(RESERVATION_POLICIES)}; "
+                        "ignored")
+        reservation = None
     enforce = doc.get("enforceNodeAllocatable", ["pods"])
     if not isinstance(enforce, list):
         problems.append("enforceNodeAllocatable is not a list")
@@ -83,6 +93,7 @@ def kubelet_facts_from_dict(doc: Any, source: str) -> KubeletFacts:
         enforce_node_allocatable=tuple(str(x) for x in enforce),
         memory_throttling_factor=factor,
         memory_qos_gate=bool(gate) if isinstance(gate, bool) else None,
+        memory_reservation_policy=reservation,
         problems=tuple(problems),
     )
 

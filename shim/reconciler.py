@@ -8,10 +8,10 @@ container's protection by its ancestors'. This module writes them (reference sec
 * burstable QoS cgroup: the sum over Burstable pods; kubepods: Guaranteed + Burstable;
 * kube-reserved / system-reserved cgroups: the reserved memory, when the kubelet enforces them
   and names their cgroups;
-* policy ``tiered``: Burstable pods and the burstable QoS cgroup get memory.low instead of
-  memory.min, kubepods gets memory.min = Guaranteed sum and memory.low = Guaranteed +
-  Burstable sum; policy ``none``: every managed value goes to 0 (nothing at all when the
-  kubelet's own MemoryQoS gate is on: the values are the kubelet's then).
+* the policy (named like the kubelet's memoryReservationPolicy) picks memory.min or memory.low
+  per QoS class (compute_targets); ``None`` sets every managed value to 0;
+* a scope the kubelet itself writes (a kubelet configured to, see shim.kubelet_model) is left
+  to it: the shim neither writes nor zeroes it.
 
 Flow: the proxy's observer (``ReconcilerObserver.finished``) only puts finished calls on a
 ``queue.SimpleQueue``. The reconciler thread drains the queue, updates the NodeState, computes
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from shim.decision import Policy, QoSClass
+from shim.decision import Policy, QoSClass, protection_key
 from shim.effects import CgroupFS, CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.node import KubeletFacts, is_cgroup_v2
 from shim.node_state import OBSERVED_METHODS, NodeState
@@ -64,6 +64,11 @@ def _fmt(n: int) -> str:
     return f"{n} ({format_bytes(n)})" if n else "0"
 
 
+# The cgroups the reconciler manages, by who may own their memory.min / memory.low (see
+# shim.kubelet_model.Ownership: a scope the kubelet owns is left to it).
+SCOPES = ("pod", "qos", "kubepods", "reserved")
+
+
 def compute_targets(
     state: NodeState,
     layout: CgroupLayout,
@@ -71,9 +76,25 @@ def compute_targets(
     page_size: int,
     reserved: list[Reserved] = (),
     check: Callable[[str], object] | None = None,
+    kubelet_owns: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[dict[tuple[str, str], Target], list[tuple[str, str]]]:
     """Every managed (path, file) -> Target, and the refusals ((key, reason)). Pure but for
-    ``check(path)``, which may raise PathRefused (e.g. CgroupFS.validate: symlinks)."""
+    ``check(path)``, which may raise PathRefused (e.g. CgroupFS.validate: symlinks).
+
+    Per policy (the kubelet's memoryReservationPolicy values, KEP-2570):
+
+    * Hard: pods, the burstable QoS cgroup (Σ Burstable) and kubepods (Σ Guaranteed + Burstable)
+      get memory.min; memory.low 0.
+    * Soft: the same sums in memory.low; memory.min 0.
+    * TieredReservation: Guaranteed pods memory.min, Burstable pods and the burstable QoS cgroup
+      memory.low (as the kubelet); kubepods memory.min = Σ Guaranteed and memory.low = Σ
+      Guaranteed + Burstable (the kubelet writes memory.min = Σ Guaranteed + Burstable there; the
+      shim keeps the Burstable part soft, and without kubepods' memory.low the kernel would cap the
+      Burstable pods' effective memory.low at 0 under node-wide reclaim).
+    * None: every managed value 0.
+
+    ``kubelet_owns``: scopes (``SCOPES``) whose values the kubelet writes itself; the shim
+    leaves them out entirely (it neither writes nor zeroes them)."""
     page = max(1, page_size)
     refusals: list[tuple[str, str]] = []
     sums = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
@@ -95,58 +116,62 @@ def compute_targets(
 
     targets: dict[tuple[str, str], Target] = {}
 
-    def put(path: str | None, file: str, value: int, level: int, why: str) -> None:
-        if path is not None:
+    def put(path: str | None, file: str, value: int, level: int, why: str, scope: str) -> None:
+        if path is not None and scope not in kubelet_owns:
             targets[(path, file)] = Target(path, file, (value // page) * page, level, why)
 
-    none, tiered = policy is Policy.NONE, policy is Policy.TIERED
+    name = policy.value
     g, b = sums[QoSClass.GUARANTEED], sums[QoSClass.BURSTABLE]
     ng, nb = counts[QoSClass.GUARANTEED], counts[QoSClass.BURSTABLE]
     kp = layout.kubepods
     bq, beq = layout.qos(QoSClass.BURSTABLE), layout.qos(QoSClass.BESTEFFORT)
-    if none:
-        for path, level in ((kp, NODE), (bq, QOS), (beq, QOS)):
-            put(path, MIN, 0, level, "policy none")
-            put(path, LOW, 0, level, "policy none")
-    elif tiered:
-        put(kp, MIN, g, NODE, f"kubepods: {ng} Guaranteed pods' requests sum to {_fmt(g)} (policy tiered)")
-        put(kp, LOW, g + b, NODE, f"kubepods: {ng} Guaranteed + {nb} Burstable pods' requests sum to "
-                                  f"{_fmt(g + b)} (policy tiered)")
-        put(bq, MIN, 0, QOS, "policy tiered protects Burstable pods with memory.low")
-        put(bq, LOW, b, QOS, f"burstable: {nb} Burstable pods' requests sum to {_fmt(b)} (policy tiered)")
+    all_sum = f"kubepods: {ng} Guaranteed + {nb} Burstable pods' requests sum to {_fmt(g + b)}"
+    b_sum = f"burstable: {nb} Burstable pods' requests sum to {_fmt(b)}"
+    if policy is Policy.NONE:
+        put(kp, MIN, 0, NODE, "policy None", "kubepods")
+        put(kp, LOW, 0, NODE, "policy None", "kubepods")
+        for path in (bq, beq):
+            put(path, MIN, 0, QOS, "policy None", "qos")
+            put(path, LOW, 0, QOS, "policy None", "qos")
+    elif policy is Policy.TIERED_RESERVATION:
+        put(kp, MIN, g, NODE, f"kubepods: {ng} Guaranteed pods' requests sum to {_fmt(g)} "
+                              "(policy TieredReservation)", "kubepods")
+        put(kp, LOW, g + b, NODE, f"{all_sum} (policy TieredReservation)", "kubepods")
+        put(bq, MIN, 0, QOS, "policy TieredReservation protects Burstable pods with memory.low", "qos")
+        put(bq, LOW, b, QOS, f"{b_sum} (policy TieredReservation)", "qos")
     else:
-        put(kp, MIN, g + b, NODE, f"kubepods: {ng} Guaranteed + {nb} Burstable pods' requests sum to {_fmt(g + b)}")
-        put(kp, LOW, 0, NODE, "policy request protects with memory.min")
-        put(bq, MIN, b, QOS, f"burstable: {nb} Burstable pods' requests sum to {_fmt(b)}")
-        put(bq, LOW, 0, QOS, "policy request protects with memory.min")
-    if not none:
-        put(beq, MIN, 0, QOS, "BestEffort pods have no requests")
-        put(beq, LOW, 0, QOS, "BestEffort pods have no requests")
+        key, other = (MIN, LOW) if policy is Policy.HARD else (LOW, MIN)
+        put(kp, key, g + b, NODE, f"{all_sum} (policy {name})", "kubepods")
+        put(kp, other, 0, NODE, f"policy {name} protects with {key}", "kubepods")
+        put(bq, key, b, QOS, f"{b_sum} (policy {name})", "qos")
+        put(bq, other, 0, QOS, f"policy {name} protects with {key}", "qos")
+    if policy is not Policy.NONE:
+        put(beq, MIN, 0, QOS, "BestEffort pods have no requests", "qos")
+        put(beq, LOW, 0, QOS, "BestEffort pods have no requests", "qos")
     for pod, qos, path, req in pods:
         who = f"pod {pod.label()} ({qos.value})"
-        if none:
-            put(path, MIN, 0, POD, f"{who}: policy none")
-            put(path, LOW, 0, POD, f"{who}: policy none")
+        if policy is Policy.NONE:
+            put(path, MIN, 0, POD, f"{who}: policy None", "pod")
+            put(path, LOW, 0, POD, f"{who}: policy None", "pod")
             continue
         if not pod.active:
-            put(path, MIN, 0, POD, f"{who}: sandbox stopped")
-            put(path, LOW, 0, POD, f"{who}: sandbox stopped")
+            put(path, MIN, 0, POD, f"{who}: sandbox stopped", "pod")
+            put(path, LOW, 0, POD, f"{who}: sandbox stopped", "pod")
             continue
         if req is None:
-            put(path, MIN, 0, POD, f"{who}: no requests")
-            put(path, LOW, 0, POD, f"{who}: no requests")
+            put(path, MIN, 0, POD, f"{who}: no requests", "pod")
+            put(path, LOW, 0, POD, f"{who}: no requests", "pod")
             continue
         names = {c.id: c.name for c in pod.containers.values()}
         why = f"{who}: request {_fmt(req.bytes)} = {req.explain(names)}"
-        if tiered and qos is QoSClass.BURSTABLE:
-            put(path, MIN, 0, POD, f"{who}: policy tiered protects Burstable pods with memory.low")
-            put(path, LOW, req.bytes, POD, why + " (policy tiered)")
-        else:
-            put(path, MIN, req.bytes, POD, why)
-            put(path, LOW, 0, POD, f"{who}: protected by memory.min")
+        key = protection_key(policy, qos) or MIN
+        other = LOW if key == MIN else MIN
+        put(path, key, req.bytes, POD, f"{why} (policy {name})", "pod")
+        put(path, other, 0, POD, f"{who}: protected by {key} (policy {name})", "pod")
     for r in reserved:
+        none = policy is Policy.NONE
         put(r.path, MIN, 0 if none else r.bytes, NODE,
-            f"{r.kind}: policy none" if none else f"{r.kind}: reserved memory {_fmt(r.bytes)}")
+            f"{r.kind}: policy None" if none else f"{r.kind}: reserved memory {_fmt(r.bytes)}", "reserved")
     return targets, refusals
 
 
@@ -207,6 +232,7 @@ class Reconciler:
         emit: Callable[[dict], None],
         client_factory: Callable[[], object] | None = None,
         resync_interval: float = 30.0,
+        ownership=None,
     ):
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
@@ -214,6 +240,13 @@ class Reconciler:
         self.page_size = page_size
         self.capacity = capacity
         self.resync_interval = resync_interval
+        # scopes (pod, qos, kubepods, reserved) the kubelet writes itself: left to it
+        if ownership is None:
+            from shim.kubelet_model import kubelet_writes, ownership as owners_for
+
+            ownership = owners_for(kubelet_writes(kubelet, None), policy)
+        self.ownership = ownership
+        self.kubelet_scopes = ownership.kubelet_scopes()
         self._emit = emit
         self._client_factory = client_factory
         self.client = None
@@ -266,8 +299,8 @@ class Reconciler:
                 self.client = self._client_factory()
             except Exception as e:
                 self._error("client", f"cannot create the runtime client: {e}")
-        if self.policy is Policy.NONE and self.kubelet.memory_qos_gate:
-            log.info("policy none and the kubelet's MemoryQoS gate is on: pod/QoS/node values are left to the kubelet")
+        if self.kubelet_scopes:
+            log.info("left to the kubelet (it writes them itself): %s", ", ".join(sorted(self.kubelet_scopes)))
         self._guard(self._resync, "startup", True)
         next_at = time.monotonic() + self._interval()
         while True:
@@ -395,7 +428,8 @@ class Reconciler:
         else:
             log.info("pod/QoS/node memory protection is active (%s driver)", self.layout.driver)
             self._emit({"event": "reconciler-active", "driver": self.layout.driver,
-                        "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value})
+                        "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value,
+                        **({"left_to_kubelet": sorted(self.kubelet_scopes)} if self.kubelet_scopes else {})})
 
     def _check_tree(self) -> bool:
         k = self.kubelet
@@ -437,23 +471,33 @@ class Reconciler:
         self._emit({"event": "cgroup-refused", "reason": reason})
 
     def targets(self) -> dict[tuple[str, str], Target]:
-        if self.policy is Policy.NONE and self.kubelet.memory_qos_gate:
-            return {}
         targets, refusals = compute_targets(self.state, self.layout, self.policy, self.page_size, self.reserved,
-                                            self.fs.validate)
+                                            self.fs.validate, kubelet_owns=self.kubelet_scopes)
         for key, why in refusals:
             self._refuse(key, why)
         return targets
+
+    def _kubelet_path(self, path: str) -> bool:
+        """Whether a cgroup path is in a scope the kubelet owns (then the shim never zeroes it)."""
+        lay = self.layout
+        if lay is None:
+            return True
+        if path == lay.kubepods:
+            return "kubepods" in self.kubelet_scopes
+        if path in (lay.qos(QoSClass.BURSTABLE), lay.qos(QoSClass.BESTEFFORT)):
+            return "qos" in self.kubelet_scopes
+        if any(path == r.path for r in self.reserved):
+            return "reserved" in self.kubelet_scopes
+        return "pod" in self.kubelet_scopes
 
     def _reconcile(self, reason: str, full: bool) -> int:
         """Bring every managed file to its target. Returns the number of writes."""
         if not self.recovered or not self._check_tree():
             return 0
         targets = self.targets()
-        if not (self.policy is Policy.NONE and self.kubelet.memory_qos_gate):
-            for key, level in self.written.items():
-                if key not in targets:
-                    targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
+        for key, level in self.written.items():
+            if key not in targets and not (self.kubelet_scopes and self._kubelet_path(key[0])):
+                targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
         if full:  # forget cgroups no longer managed (pods long gone)
             self.known = {k: v for k, v in self.known.items() if k in targets}
         plan = []
@@ -509,7 +553,8 @@ class Reconciler:
         return writes
 
 
-def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], None]) -> Reconciler | None:
+def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], None],
+                     ownership=None) -> Reconciler | None:
     """The reconciler `serve` runs (None with --reconcile false). Its runtime client talks to
     the upstream directly, not through the proxy."""
     if not getattr(cfg, "reconcile", True):
@@ -525,4 +570,5 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
         emit=emit,
         client_factory=lambda: RuntimeClient(cfg.upstream),
         resync_interval=getattr(cfg, "resync_interval", 30.0),
+        ownership=ownership,
     )

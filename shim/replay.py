@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -62,6 +63,14 @@ class ReplaySettings:
     enabled: bool  # False when the recording shim had injection off (cgroup v1)
     kubelet: KubeletFacts
     origin: dict[str, str]  # setting -> where it came from
+    # the recorded kubelet's version (trace header source "Kubernetes v1.23.16", or the recording
+    # shim's kubelet_version): what it writes itself and so which unified keys the shim keeps
+    kubelet_version: tuple[int, int] | None = None
+
+    def ownership(self):
+        from shim.kubelet_model import kubelet_writes, ownership
+
+        return ownership(kubelet_writes(self.kubelet, self.kubelet_version), self.policy)
 
     def describe(self) -> str:
         n = self.node
@@ -147,8 +156,13 @@ def replay_settings(
         policy, origin["policy"] = Policy.REQUEST, "default"
 
     node = node_facts(capacity, kubelet, page_size=page, allocatable=allocatable, factor=factor)
+    from shim.kubelet_model import parse_version
+
+    found = re.search(r"Kubernetes v(\d+\.\d+)", header.source)
+    kubelet_version = parse_version(shim.get("kubelet_version")) or (parse_version(found.group(1)) if found else None)
     enabled = shim.get("enabled", True) is not False
-    return ReplaySettings(node=node, policy=policy, enabled=enabled, kubelet=kubelet, origin=origin)
+    return ReplaySettings(node=node, policy=policy, enabled=enabled, kubelet=kubelet, origin=origin,
+                          kubelet_version=kubelet_version)
 
 
 @dataclass
@@ -279,7 +293,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
         result.records.append(ordered_record(current[0], record))
 
     qos = build_container_qos(settings.node, settings.policy, emit, cgroup_v2=settings.enabled,
-                              cgroup_root="(the recording node)")
+                              cgroup_root="(the recording node)", ownership=settings.ownership())
     hooks = build_request_hooks(qos)
     workdir = tempfile.mkdtemp(prefix="memqos-replay-")
     runtime = TraceRuntime(trace.calls)

@@ -27,7 +27,8 @@ from shim.node import KubeletFacts, is_cgroup_v2, load_kubelet_config
 
 log = logging.getLogger(__name__)
 
-RESET_OPTIONS = tuple(o for o in OPTIONS if o.name in ("cgroup-root", "kubelet-config", "audit-log", "log-level"))
+RESET_OPTIONS = tuple(o for o in OPTIONS if o.name in ("cgroup-root", "kubelet-config", "kubelet-version", "audit-log",
+                                                       "log-level"))
 
 
 def _subdirs(fs: CgroupFS, rel: str) -> list[str]:
@@ -53,10 +54,18 @@ def managed_cgroups(fs: CgroupFS, layout: CgroupLayout, reserved: list[str]) -> 
     return out
 
 
-def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: bool = False
-                  ) -> tuple[list[Write], list[str], list[str]]:
-    """Set every managed value to 0, bottom-up. Returns (writes, notes, errors)."""
+def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: bool = False,
+                  kubelet_version: tuple[int, int] | None = None) -> tuple[list[Write], list[str], list[str]]:
+    """Set every managed value to 0, bottom-up. Returns (writes, notes, errors). Values the
+    kubelet writes itself (its MemoryQoS configured to protect requests, shim.kubelet_model)
+    are the kubelet's: reset leaves them alone and says so."""
+    from shim.kubelet_model import fmt_version, kubelet_writes
+
     problems: list[str] = []
+    writes_of_kubelet = kubelet_writes(kubelet, kubelet_version)
+    if writes_of_kubelet.writes_protection:
+        return [], [f"the kubelet writes the pod / QoS / node values itself ({writes_of_kubelet.summary()}; "
+                    f"version {fmt_version(kubelet_version)}): nothing to reset"], []
     if not is_cgroup_v2(cgroup_root):
         return [], [f"{cgroup_root} is not a cgroup v2 hierarchy: the shim writes nothing there"], []
     driver = kubelet.cgroup_driver if kubelet.source else detect_driver(cgroup_root, kubelet.cgroup_root)
@@ -106,7 +115,11 @@ def cmd_reset(args: argparse.Namespace) -> int:
         log.warning("kubelet config: %s", problem)
     audit = AuditLog(cfg.audit_log).start()
     try:
-        writes, notes, errors = reset_cgroups(cfg.cgroup_root, kubelet, audit.emit, dry_run=args.dry_run)
+        from shim.kubelet_model import detect_kubelet_version
+
+        version, _ = detect_kubelet_version(cfg.kubelet_version)
+        writes, notes, errors = reset_cgroups(cfg.cgroup_root, kubelet, audit.emit, dry_run=args.dry_run,
+                                              kubelet_version=version)
     finally:
         audit.close()
     for p in notes + errors:

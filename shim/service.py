@@ -38,11 +38,24 @@ class HookChain:
                 log.exception("observer %r failed on %s", observer, call.method)
 
 
-def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "") -> ContainerMemoryQoS:
+def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "",
+                        ownership=None) -> ContainerMemoryQoS:
     """The CreateContainer / UpdateContainerResources rewriter exactly as `serve` builds it
-    (`memqos-shim replay` builds its request path with this too)."""
+    (`memqos-shim replay` builds its request path with this too). ``ownership``
+    (shim.kubelet_model.Ownership): the unified keys the kubelet owns are forwarded unchanged."""
     reason = "" if cgroup_v2 else f"{cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
-    return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason)
+    return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership)
+
+
+def kubelet_ownership(cfg, kubelet):
+    """(KubeletWrites, Ownership, how the version was found) for this node: the kubelet's
+    version (--kubelet-version; 'auto' runs `kubelet --version` once, here at start-up, never on
+    the CRI path), what it writes itself, and who owns each value."""
+    from shim.kubelet_model import detect_kubelet_version, kubelet_writes, ownership
+
+    version, how = detect_kubelet_version(getattr(cfg, "kubelet_version", "auto") or "auto")
+    writes = kubelet_writes(kubelet, version)
+    return writes, ownership(writes, cfg.policy), how
 
 
 def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
@@ -89,7 +102,9 @@ class Service:
         node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
         v2 = is_cgroup_v2(cfg.cgroup_root)
         audit = AuditLog(cfg.audit_log).start()
-        qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root)
+        writes, owners, version_how = kubelet_ownership(cfg, kubelet)
+        qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
+                                  ownership=owners)
         backend = protobuf_backend()
         if backend != "upb":
             log.warning("protobuf backend is %r, not upb: each rewrite costs ~1 ms instead of ~10 us", backend)
@@ -106,16 +121,25 @@ class Service:
             "kubelet_config": kubelet.source or None,
             "cgroup_driver": kubelet.cgroup_driver,
             "kubelet_memory_qos_gate": kubelet.memory_qos_gate,
+            "kubelet_version": None if writes.version is None else "%d.%d" % writes.version,
+            "kubelet_version_source": version_how,
+            "kubelet_writes": writes.summary(),
+            "kubelet_assumptions": list(writes.assumptions),
+            "ownership": owners.as_dict(),
         }
         audit.emit(start_record)
         log.info("node: capacity %d, allocatable %d, factor %s, page %d, policy %s, cgroup v2 %s",
                  capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
-        if kubelet.memory_qos_gate:
-            log.warning("the kubelet's MemoryQoS feature gate is on: the shim overrides its memory.* keys")
-        recorder = start_recorder(cfg, node, kubelet, capacity, v2) if getattr(cfg, "record", None) else None
+        log.info("%s (version: %s)", writes.summary(), version_how)
+        for assumption in writes.assumptions:
+            log.warning("kubelet: %s", assumption)
+        for line in owners.lines():
+            log.info("owner: %s", line)
+        recorder = start_recorder(cfg, node, kubelet, capacity, v2, writes.version) \
+            if getattr(cfg, "record", None) else None
         from shim.reconciler import build_reconciler
 
-        reconciler = build_reconciler(cfg, kubelet, node, audit.emit)
+        reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
         from shim.monitor import build_monitor
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler) if v2 else None
@@ -183,7 +207,7 @@ class Service:
         self.audit.emit({"event": "metrics", "address": f"{host}:{port}"})
 
 
-def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool):
+def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool, kubelet_version=None):
     """--record: the trace recorder, its header holding the node facts and the settings the
     shim decides with (so a replay of the recording reproduces its audit records)."""
     from shim import __version__
@@ -202,6 +226,7 @@ def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool):
         listen=cfg.listen,
         upstream=cfg.upstream,
         methods=cfg.record_methods or "default",
+        kubelet_version=None if kubelet_version is None else "%d.%d" % kubelet_version,
     )
     return Recorder(cfg.record, header, max_bytes=cfg.record_max_bytes, keep=cfg.record_keep,
                     methods=cfg.record_methods).start()

@@ -72,5 +72,5 @@ def test_config_precedence(tmp_path):
     add_arguments(p)
     c = resolve(p.parse_args(["--config", str(cfg), "--factor", "none"]))
     assert c.factor is None and c.origin["factor"] == "flag"
-    assert c.policy.value == "tiered" and c.node_allocatable == 30 * 2**30
+    assert c.policy.value == "TieredReservation" and c.node_allocatable == 30 * 2**30
     assert c.listen == "unix:///run/memqos-shim/memqos-shim.sock" and c.origin["listen"] == "default"

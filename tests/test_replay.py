@@ -122,7 +122,7 @@ def test_cli_config_file_and_table(tmp_path, capsys, small_on):
     out, err = capsys.readouterr()
     assert out.splitlines()[0].split()[:4] == ["SEQ", "METHOD", "EVENT", "POD"]
     assert "default/qos-burstable-limit-virtme-ng" in out and "memory.low=33554432" in out
-    assert f"policy tiered (--config {cfg})" in err
+    assert f"policy TieredReservation (--config {cfg})" in err
 
 
 def test_cli_rejects_a_missing_trace(tmp_path, capsys):

@@ -85,7 +85,7 @@ def test_recording_through_the_shim_then_replaying_it_gives_the_same_audit_recor
     assert len(served) == sum(c.name == "CreateContainer" for c in kubelet.calls) == 8
 
     recording = read_trace(str(tmp_path / "rec" / "calls.jsonl"))
-    assert recording.header.shim["policy"] == "request"
+    assert recording.header.shim["policy"] == "Hard"
     assert recording.header.mem_total_bytes == kubelet.header.mem_total_bytes
     names = {c.name for c in recording.calls}
     assert not names & HIGH_VOLUME_METHODS and {"CreateContainer", "RunPodSandbox", "StartContainer"} <= names

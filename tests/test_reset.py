@@ -105,3 +105,19 @@ def test_reset_after_the_running_shim_wrote_values(tmp_path):
     kc = tmp_path / "kubelet.json"  # written by the stack
     assert main(["reset", "--cgroup-root", str(s.tree.root), "--kubelet-config", str(kc), "--audit-log", "none"]) == 0
     assert s.tree.nonzero() == {}
+
+
+def test_reset_leaves_values_the_kubelet_writes_itself(tmp_path, capsys):
+    """A v1.37 kubelet with memoryReservationPolicy TieredReservation owns the pod / QoS / node
+    values: reset does not zero them (the kubelet would only write them back)."""
+    t, *_ = populated(tmp_path, "cgroupfs")
+    before = t.values()
+    kc = write_kubelet_config(tmp_path / "kubelet.json", memoryReservationPolicy="TieredReservation")
+    assert main(["reset", "--cgroup-root", str(t.root), "--kubelet-config", str(kc), "--kubelet-version", "1.37",
+                 "--audit-log", "none"]) == 0
+    assert t.values() == before
+    assert "the kubelet writes the pod / QoS / node values itself" in capsys.readouterr().err
+    # the same kubelet on 1.36 with the gate at its default (off): the values are the shim's
+    assert main(["reset", "--cgroup-root", str(t.root), "--kubelet-config", str(kc), "--kubelet-version", "1.36",
+                 "--audit-log", "none"]) == 0
+    assert t.values() != before and t.get("kubepods") == 0 and t.get("kubepods/burstable", "memory.low") == 0

@@ -2,6 +2,8 @@
 unified values the shim writes, with the reasons. No I/O."""
 from shim.decision.facts import (  # noqa: F401
     OWNED_KEYS,
+    POLICY_ALIASES,
+    POLICY_NAMES,
     REQUESTS_ANNOTATION,
     ContainerFacts,
     Decision,
@@ -12,6 +14,6 @@ from shim.decision.facts import (  # noqa: F401
     Request,
     RequestSource,
 )
-from shim.decision.memory import decide, memory_high  # noqa: F401
+from shim.decision.memory import decide, memory_high, protection_key  # noqa: F401
 from shim.decision.qos import parse_cgroup_parent, qos_class  # noqa: F401
 from shim.decision.request import oom_score_adj_bounds, resolve_request  # noqa: F401

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from types import MappingProxyType
+from typing import Mapping
 
 from shim.decision.facts import (
     OWNED_KEYS,
@@ -31,22 +32,36 @@ def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> in
     return (high // page_size) * page_size
 
 
+def protection_key(policy: Policy, qos: QoSClass) -> str | None:
+    """The interface file that carries a pod's / container's request under a policy (the
+    kubelet's memoryReservationPolicy mapping, KEP-2570): None when nothing is protected."""
+    if policy is Policy.NONE or qos is QoSClass.BESTEFFORT:
+        return None
+    if policy is Policy.HARD:
+        return "memory.min"
+    if policy is Policy.SOFT:
+        return "memory.low"
+    return "memory.min" if qos is QoSClass.GUARANTEED else "memory.low"  # TieredReservation
+
+
 def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, int], dict[str, str]]:
     keys: dict[str, int] = {}
     reasons: dict[str, str] = {}
     why = f"request {req.bytes} from {req.source.value}"
+    key = protection_key(policy, qos)
     if policy is Policy.NONE:
-        reasons["memory.min"] = reasons["memory.low"] = "not set: policy none"
-    elif req.bytes <= 0:
+        reasons["memory.min"] = reasons["memory.low"] = "not set: policy None"
+    elif req.bytes <= 0 or key is None:
         reasons["memory.min"] = reasons["memory.low"] = "not set: no memory request"
-    elif policy is Policy.TIERED and qos is QoSClass.BURSTABLE:
-        keys["memory.low"] = req.bytes
-        reasons["memory.low"] = f"{why} (policy tiered, Burstable)"
-        reasons["memory.min"] = "not set: policy tiered protects Burstable with memory.low"
     else:
-        keys["memory.min"] = req.bytes
-        reasons["memory.min"] = f"{why} (policy {policy.value})"
-        reasons["memory.low"] = "not set: memory.min protects this container"
+        other = "memory.low" if key == "memory.min" else "memory.min"
+        keys[key] = req.bytes
+        if policy is Policy.TIERED_RESERVATION:
+            reasons[key] = f"{why} (policy TieredReservation, {qos.value})"
+            reasons[other] = f"not set: policy TieredReservation protects {qos.value} with {key}"
+        else:
+            reasons[key] = f"{why} (policy {policy.value})"
+            reasons[other] = f"not set: {key} protects this container"
     return keys, reasons
 
 
@@ -84,6 +99,7 @@ def decide(
     request: Request | None = None,
     *,
     reset_absent: bool = False,
+    kubelet_owns: Mapping[str, str] = MappingProxyType({}),
 ) -> Decision:
     """What the shim puts in the container's unified map, and why.
 
@@ -91,7 +107,11 @@ def decide(
     explain states it). `reset_absent` (updates): a key the shim does not set gets its
     neutral value ("0", or "max" for memory.high) instead of being left out, because
     containerd merges an update's unified map into the container's and never removes
-    a key -- leaving it out would keep the old value in force."""
+    a key -- leaving it out would keep the old value in force.
+
+    `kubelet_owns`: owned keys the kubelet is configured to write itself (key -> why, from
+    shim.kubelet_model.Ownership): its value is forwarded unchanged, or left out when it sent
+    none."""
     qos, qos_reason = qos_class(pod.cgroup_parent, container.oom_score_adj)
     req = request if request is not None else resolve_request(pod, container, qos, node.capacity)
     desired, reasons = _protection(policy, qos, req)
@@ -102,6 +122,13 @@ def decide(
     before = dict(container.unified)
     after = {k: v for k, v in before.items() if k not in OWNED_KEYS}
     for key in OWNED_KEYS:
+        if key in kubelet_owns:
+            if key in before:
+                after[key] = before[key]
+                reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
+            else:
+                reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
+            continue
         if key in desired:
             after[key] = str(desired[key])
             if key in before and before[key] != after[key]:

@@ -305,6 +305,7 @@ def shim_header(
     listen: str = "",
     upstream: str = "",
     methods: str = "",
+    kubelet_version: str | None = None,
 ) -> dict[str, Any]:
     """The header the shim writes: the format's node facts plus what the shim decided with,
     so that a replay of its recording reproduces its audit records."""
@@ -319,5 +320,6 @@ def shim_header(
         kubelet_config=kubelet_config,
         node_extra={"cgroup_v2": cgroup_v2},
         extra={"shim": {"version": version, "policy": policy, "allocatable": allocatable, "factor": factor,
-                        "enabled": cgroup_v2, "started": time.time()}},
+                        "enabled": cgroup_v2, "started": time.time(),
+                        **({"kubelet_version": kubelet_version} if kubelet_version else {})}},
     )

@@ -10,6 +10,8 @@ From a test without an event loop::
         ...
         srv.runtime.received_create_requests    # exact CreateContainerRequest bytes received
         srv.runtime.container(cid).update_requests
+        # FakeRuntimeServer(..., cgroup_root=tree): started containers get real cgroup dirs, as
+        # runc makes them (cri-containerd-<id>.scope in the expanded slice with systemd)
 
 From asyncio::
 
@@ -36,7 +38,9 @@ from shim.fake_runtime.runtime import (
     RecordedCall,
     Sandbox,
     apply_linux_resources,
+    container_cgroup,
     default_images,
+    expand_slice,
     normalize_image_ref,
 )
 from shim.fake_runtime.server import (
@@ -63,7 +67,9 @@ __all__ = [
     "RecordedCall",
     "Sandbox",
     "apply_linux_resources",
+    "container_cgroup",
     "default_images",
+    "expand_slice",
     "generic_handlers",
     "normalize_image_ref",
     "serve_fake_runtime",

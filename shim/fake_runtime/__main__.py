@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m shim.fake_runtime", description=__doc__.split("\n\n")[1])
     p.add_argument("--listen", required=True, help="unix socket path (or unix:///path) to serve on")
     p.add_argument("--cgroup-driver", choices=(CGROUPFS, SYSTEMD), default=CGROUPFS)
+    p.add_argument("--cgroup-root", default=None, metavar="DIR",
+                   help="a cgroup v2 tree (real files) where started containers get their cgroup like runc "
+                        "makes it (<parent>/<id>, or cri-containerd-<id>.scope in the expanded slice with systemd)")
     p.add_argument("--delay", action="append", type=_parse_delay, default=[], metavar="METHOD=SECONDS",
                    help="delay a method, e.g. PullImage=2 (repeatable)")
     p.add_argument("--fail", action="append", type=_parse_fail, default=[], metavar="METHOD=CODE[:details]",
@@ -68,6 +71,7 @@ async def _run(args: argparse.Namespace) -> int:
         idempotent_stop=args.idempotent_stop,
         strict_images=args.strict_images,
         network_ready=not args.network_not_ready,
+        cgroup_root=args.cgroup_root,
     )
     path = socket_path(args.listen)
     server, _ = await serve_fake_runtime(path, runtime, max_message_bytes=args.max_message_bytes)

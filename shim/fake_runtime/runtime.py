@@ -268,6 +268,38 @@ def cgroups_path(cgroup_parent: str, id: str) -> str:
     return posixpath.join(cgroup_parent, id) if cgroup_parent else id
 
 
+def expand_slice(name: str) -> str:
+    """systemd's slice naming: 'kubepods-burstable-pod1_2.slice' lives at
+    'kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1_2.slice' (every dash
+    names a parent slice); '-.slice' is the root."""
+    if not name.endswith(".slice") or name == "-.slice":
+        raise ValueError(f"not a slice name: {name!r}")
+    stem = name[: -len(".slice")]
+    if not stem or stem.startswith("-") or stem.endswith("-") or "--" in stem or "/" in stem:
+        raise ValueError(f"invalid slice name: {name!r}")
+    parts = stem.split("-")
+    return "/".join("-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
+
+
+def container_cgroup(cgroup_parent: str, id: str, driver: str) -> str:
+    """Where runc puts a container's cgroup (relative to the cgroup v2 root), from containerd's
+    cgroupsPath: with the systemd driver ``slice:cri-containerd:id`` becomes the scope
+    ``cri-containerd-<id>.scope`` in the expanded slice (the kubelet may send the full slice
+    path or the leaf slice alone: only the leaf counts); with cgroupfs ``<parent>/<id>``.
+    ValueError for the combinations runc refuses (systemd driver and a plain path)."""
+    path = cgroups_path(cgroup_parent, id)
+    if driver == SYSTEMD:
+        parts = path.split(":")
+        if len(parts) != 3:
+            raise ValueError(f'expected cgroupsPath to be of format "slice:prefix:name" for systemd cgroups, '
+                             f'got "{path}" instead')
+        slice_name, prefix, name = parts
+        return posixpath.join(expand_slice(slice_name), f"{prefix}-{name}.scope")
+    if ":" in path:
+        raise ValueError(f"cgroupfs driver: invalid cgroup path {path!r} (a systemd slice parent)")
+    return path.lstrip("/")
+
+
 def _copy(msg):
     new = type(msg)()
     new.CopyFrom(msg)
@@ -469,6 +501,7 @@ class FakeRuntime:
         sandbox_image: str = DEFAULT_SANDBOX_IMAGE,
         runtime_name: str = "fake-runtime",
         runtime_version: str = "0.1.0",
+        cgroup_root: str | None = None,
     ):
         if cgroup_driver not in (CGROUPFS, SYSTEMD):
             raise ValueError(f"cgroup_driver must be {CGROUPFS!r} or {SYSTEMD!r}, not {cgroup_driver!r}")
@@ -485,6 +518,9 @@ class FakeRuntime:
         self.sandbox_image = sandbox_image
         self.runtime_name = runtime_name
         self.runtime_version = runtime_version
+        # a cgroup v2 tree (real files) where started containers get their cgroup, as runc
+        # creates it: memory.max and every unified key written, updates applied, removed at exit
+        self.cgroup_root = cgroup_root
         self.exec_sync_result: tuple[bytes, bytes, int] = (b"", b"", 0)
 
         self.sandboxes: dict[str, Sandbox] = {}
@@ -686,7 +722,43 @@ class FakeRuntime:
             image.repo_digests.append(f"{repo}@{digest}")
         return image
 
+    def cgroup_dir(self, c: Container) -> str | None:
+        """The container's cgroup directory under ``cgroup_root`` (None without one)."""
+        if self.cgroup_root is None:
+            return None
+        rel = container_cgroup(c.sandbox_config.linux.cgroup_parent, c.id, self.cgroup_driver)
+        return posixpath.join(self.cgroup_root, rel)
+
+    def _write_cgroup(self, c: Container, *, create: bool) -> None:
+        import os
+
+        d = self.cgroup_dir(c)
+        if create:
+            os.makedirs(d, exist_ok=True)
+        elif not os.path.isdir(d):
+            return
+        r = c.resources
+        values = {"memory.max": str(r.memory_limit_in_bytes) if r.memory_limit_in_bytes else "max"}
+        values.update(r.unified)
+        for key, value in values.items():
+            if "/" in key or key.startswith("."):
+                raise ValueError(f"invalid unified key {key!r}")
+            with open(posixpath.join(d, key), "w", encoding="ascii") as f:
+                f.write(value + "\n")
+
+    def _remove_cgroup(self, c: Container) -> None:
+        import shutil
+
+        try:
+            d = self.cgroup_dir(c)
+        except ValueError:
+            return
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+
     def _finish(self, c: Container, exit_code: int, *, reason: str = "", message: str = "") -> None:
+        if self.cgroup_root is not None and c.pid:
+            self._remove_cgroup(c)  # the task is deleted when it exits: runc removes the cgroup
         c.finished_at = _now_ns()
         c.exit_code = exit_code
         c.reason = reason
@@ -1169,6 +1241,13 @@ class FakeRuntime:
             msg = f"sandbox container {_q(sb.id)} is not running"
             self._finish(c, ERROR_START_EXIT_CODE, reason=ERROR_START_REASON, message=msg)
             raise CriError(_UNKNOWN, msg)
+        if self.cgroup_root is not None:
+            try:
+                self._write_cgroup(c, create=True)
+            except (ValueError, OSError) as e:
+                msg = f"failed to create containerd task: failed to create shim task: OCI runtime create failed: {e}"
+                self._finish(c, ERROR_START_EXIT_CODE, reason=ERROR_START_REASON, message=msg)
+                raise CriError(_UNKNOWN, msg)
         c.started_at = _now_ns()
         c.pid = self._pid()
         return pb.StartContainerResponse()
@@ -1259,6 +1338,11 @@ class FakeRuntime:
                 new, req.linux, swap_controller=self.swap_controller, hugetlb_controller=self.hugetlb_controller
             )
             c.resources = new
+            if self.cgroup_root is not None and c.state == pb.CONTAINER_RUNNING:
+                try:
+                    self._write_cgroup(c, create=False)
+                except (ValueError, OSError) as e:
+                    raise CriError(_UNKNOWN, f"failed to update resources: {e}")
         c.update_requests.append(raw)
         return pb.UpdateContainerResourcesResponse()
 
