@@ -9,7 +9,6 @@ import json
 import pytest
 
 from shim.cri import pb
-from shim.effects import CgroupLayout
 from shim.fake_runtime import FakeRuntime, container_cgroup, expand_slice
 from shim.kubelet_requests import create_container, sandbox_config
 

@@ -36,7 +36,7 @@ from shim.node import KubeletFacts, kubelet_facts_from_dict
 from shim.reconciler import compute_targets
 from shim.doctor import PASS as PASS_
 from shim.doctor import WARN as WARN_
-from shim.shared import shared_path
+from shim.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
 
 Mi, Gi = 2**20, 2**30
 G = PodFacts(cgroup_parent="/kubepods/pod0a")
@@ -336,17 +336,13 @@ def test_kubelet_unified(writes, qos, req, lim, expect):
     assert kubelet_unified(writes, qos, request=req, limit=lim, allocatable=8 * Gi) == expect
 
 
-TRACES = shared_path("traces")
-
-
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces not present")
-@pytest.mark.parametrize("name", ["kubelet-1.23-cgroupfs-memqos-on.jsonl", "kubelet-1.23-cgroupfs-memqos-off.jsonl"])
+@pytest.mark.parametrize("name", [MEMQOS_ON, MEMQOS_OFF])
 def test_kubelet_unified_reproduces_the_recorded_v1_23_kubelet(name):
     """The model of what a kubelet sends, against what a real v1.23 kubelet sent."""
     from shim.evidence.trace import read_trace
     from tests.test_replay_expectations import TRUTH
 
-    trace = read_trace(str(TRACES / name))
+    trace = read_trace(str(trace_file(name)))
     kc = trace.header.kubelet_config
     k = kubelet_facts_from_dict(kc, "trace")
     w = kubelet_writes(k, parse_version(trace.header.source))

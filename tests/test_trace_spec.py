@@ -92,8 +92,8 @@ def written_header() -> dict:
     """The header `serve --record` writes (shim.service.start_recorder builds it this way)."""
     return shim_header(version="0.0.0", mem_total_bytes=8 << 30, page_size=4096, cgroup_driver="systemd",
                        kubelet_config={"kubeReserved": {"memory": "100Mi"}}, allocatable=(8 << 30) - (100 << 20),
-                       factor=0.9, policy="request", cgroup_v2=True, listen="/run/x.sock", upstream="/run/y.sock",
-                       methods="default")
+                       factor=0.9, policy="Hard", cgroup_v2=True, listen="/run/x.sock", upstream="/run/y.sock",
+                       methods="default", kubelet_version="1.37")
 
 
 def written_call() -> dict:
@@ -365,4 +365,4 @@ def test_compressed_example_reads_the_same(suffix, opener, tmp_path):
 
 def test_header_object_reads_back_unknown_keys():
     h = TraceHeader(written_header())
-    assert h.shim["policy"] == "request" and h.node["cgroup_v2"] is True
+    assert h.shim["policy"] == "Hard" and h.node["cgroup_v2"] is True
