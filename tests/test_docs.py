@@ -212,6 +212,176 @@ def test_section_numbers_the_code_cites():
     assert numbered[4].startswith("Kernel facts")
 
 
+# -- docs/memory-qos.md: the policies (sections 1 and 2) ------------------------------------------
+POLICY_CELL = re.compile(r"`(\w+)`")
+
+
+def _policy(cell: str) -> Policy:
+    name = POLICY_CELL.match(cell).group(1)
+    policy = Policy(name)
+    assert policy.value == name, f"{name!r} is not an upstream name (the tables use the new names)"
+    return policy
+
+
+@pytest.mark.parametrize("row", table(MEMORY_QOS, ["policy", "Guaranteed", "Burstable", "BestEffort"]),
+                         ids=lambda r: r["policy"])
+def test_container_protection_per_policy(row):
+    policy = _policy(row["policy"])
+    for qos in QoSClass:
+        d = container_decision(qos, 0 if qos is QoSClass.BESTEFFORT else 128 * MI,
+                               0 if qos is QoSClass.BESTEFFORT else 256 * MI, 8 << 30, None, 4096, policy)
+        keys = {k: v for k, v in d.unified_after.items() if k in ("memory.min", "memory.low")}
+        shown = row[qos.value]
+        if shown == "nothing":
+            assert keys == {}, (qos, d.reasons)
+        else:
+            key, what = (s.strip() for s in shown.split("="))
+            assert what == "request" and keys == {key: str(128 * MI)}, (qos, keys)
+
+
+def test_policy_names_and_aliases():
+    text = " ".join(MEMORY_QOS.read_text(encoding="utf-8").split())
+    assert "`request` = `Hard`, `tiered` = `TieredReservation`, `none` = `None`" in text
+    for alias, name in (("request", "Hard"), ("tiered", "TieredReservation"), ("none", "None"),
+                        ("hard", "Hard"), ("TIEREDRESERVATION", "TieredReservation")):
+        assert Policy(alias) is Policy(name)
+    assert {p.value for p in Policy} == {"Hard", "Soft", "TieredReservation", "None"}
+
+
+def _min_low(cell: str) -> tuple[int, int]:
+    lo, hi = (mebibytes(x.strip()) for x in cell.split("/"))
+    return lo, hi
+
+
+def _example_state():
+    from tests.test_node_state import _state_with
+
+    return _state_with([("0a", "guaranteed", [64], True), ("0b", "burstable", [32], True)])
+
+
+@pytest.mark.parametrize("row", table(MEMORY_QOS, ["policy", "kubepods min / low"]), ids=lambda r: r["policy"])
+def test_pod_qos_node_example_per_policy(row):
+    from shim.effects import CgroupLayout
+    from shim.reconciler import compute_targets
+
+    targets, refusals = compute_targets(_example_state(), CgroupLayout("cgroupfs"), _policy(row["policy"]), 4096)
+    assert refusals == []
+    got = {k: t.value for k, t in targets.items()}
+    for column, path in (("kubepods min / low", "kubepods"), ("`kubepods/burstable` min / low", "kubepods/burstable"),
+                         ("Guaranteed pod min / low", "kubepods/pod0a"),
+                         ("Burstable pod min / low", "kubepods/burstable/pod0b")):
+        assert (got[(path, "memory.min")], got[(path, "memory.low")]) == _min_low(row[column]), column
+
+
+# -- docs/memory-qos.md section 6: who owns each value, a v1.37 kubelet ------------------------------
+def _kubelet_doc(cell: str) -> dict:
+    """'`MemoryQoS: true`, `memoryThrottlingFactor: 0.8`' -> a KubeletConfiguration; 'defaults' -> {}."""
+    import yaml
+
+    doc: dict = {}
+    for item in re.findall(r"`([^`]+)`", cell):
+        for key, value in yaml.safe_load(item).items():
+            if key == "MemoryQoS":
+                doc.setdefault("featureGates", {})["MemoryQoS"] = value
+            else:
+                doc[key] = value
+    assert doc or cell == "defaults", cell
+    return doc
+
+
+OWNERSHIP = table(MEMORY_QOS, ["kubelet", "KubeletConfiguration", "shim policy"])
+
+
+@pytest.mark.parametrize("row", OWNERSHIP, ids=lambda r: f"{r['kubelet']}-{r['KubeletConfiguration']}-{r['shim policy']}")
+def test_ownership_table(row):
+    from shim.kubelet_model import LABELS, kubelet_writes, ownership, parse_version
+    from shim.node import kubelet_facts_from_dict
+
+    version = None if row["kubelet"] == "unknown" else parse_version(row["kubelet"])
+    writes = kubelet_writes(kubelet_facts_from_dict(_kubelet_doc(row["KubeletConfiguration"]), "docs"), version)
+    owners = ownership(writes, _policy(row["shim policy"]))
+    columns = dict(zip(LABELS, ("container min / low", "container high", "pod", "QoS", "kubepods", "reserved")))
+    assert {what: row[col] for what, col in columns.items()} == {what: owners.owner(what) for what in LABELS}
+
+
+V137_ALLOC = 2060419072 - 200 * MI
+
+
+def _v137(cell: str):
+    from shim.kubelet_model import kubelet_writes, ownership
+    from shim.node import kubelet_facts_from_dict
+
+    base = {"cgroupDriver": "cgroupfs", "kubeReserved": {"memory": "100Mi"}, "systemReserved": {"memory": "100Mi"}}
+    kubelet = kubelet_facts_from_dict({**base, **_kubelet_doc(cell)}, "docs")
+    assert 2060419072 - kubelet.kube_reserved - kubelet.system_reserved == V137_ALLOC
+    writes = kubelet_writes(kubelet, (1, 37))
+    return kubelet, writes, ownership(writes, Policy.HARD)
+
+
+def _unified_cell(cell: str) -> dict[str, str]:
+    return {f"memory.{k}": v for k, v in (kv.split("=") for kv in cell.split())}
+
+
+@pytest.mark.parametrize("row", table(MEMORY_QOS, ["1.37 kubelet", "container"]),
+                         ids=lambda r: f"{r['1.37 kubelet']}-{r['container']}")
+def test_v137_worked_example_containers(row):
+    from shim.kubelet_requests import kubelet_unified
+    from shim.node import node_facts
+
+    assert "1850703872" in MEMORY_QOS.read_text(encoding="utf-8") and V137_ALLOC == 1850703872
+    kubelet, writes, owners = _v137(row["1.37 kubelet"])
+    qos = QoSClass(row["container"])
+    request, limit = mebibytes(row["request"]), mebibytes(row["limit"])
+    sent = kubelet_unified(writes, qos.value, request=request, limit=limit, allocatable=V137_ALLOC)
+    assert sent.pop("memory.oom.group") == "1"
+    assert sent == _unified_cell(row["the kubelet sends"])
+    node = node_facts(2060419072, kubelet, page_size=4096, factor="auto")  # the shim's --factor auto
+    assert (node.allocatable, node.factor) == (V137_ALLOC, 0.9)
+    pod = PodFacts(uid="1f0c2a9e-0000-4000-8000-000000000005", cgroup_parent=PARENTS[qos])
+    req = None if qos is QoSClass.BESTEFFORT else Request(request, RequestSource.GIVEN)
+    d = decide(pod, ContainerFacts(name="c", limit=limit, unified={**sent, "memory.oom.group": "1"}), node,
+               Policy.HARD, req, kubelet_owns=owners.kubelet_keys())
+    after = dict(d.unified_after)
+    assert after.pop("memory.oom.group") == "1"
+    assert after == _unified_cell(row["the shim forwards"]), d.reasons
+
+
+def test_v137_worked_example_arithmetic_in_the_prose():
+    text = " ".join(MEMORY_QOS.read_text(encoding="utf-8").split())
+    assert "`floor(33554432 + (134217728 − 33554432) × 0.9)` = 124151398, rounded down to a page 124149760" in text
+    assert "`floor(1850703872 × 0.9)` = 1665633484, rounded down 1665630208" in text
+    assert int(33554432 + (134217728 - 33554432) * 0.9) == 124151398
+    assert memory_high(32 * MI, 128 * MI, 0.9, 4096) == 124149760
+    assert int(1850703872 * 0.9) == 1665633484 and memory_high(0, 1850703872, 0.9, 4096) == 1665630208
+
+
+@pytest.mark.parametrize("row", table(MEMORY_QOS, ["1.37 kubelet", "kubepods min / low"]),
+                         ids=lambda r: r["1.37 kubelet"])
+def test_v137_worked_example_pod_qos_node(row):
+    from shim.effects import CgroupLayout
+    from shim.reconciler import compute_targets
+
+    _, writes, owners = _v137(row["1.37 kubelet"])
+    scopes = owners.kubelet_scopes()
+    shown = {"kubepods": _min_low(row["kubepods min / low"]),
+             "kubepods/burstable": _min_low(row["`kubepods/burstable` min / low"]),
+             "kubepods/pod0a": _min_low(row["Guaranteed pod min / low"]),
+             "kubepods/burstable/pod0b": _min_low(row["Burstable pod min / low"])}
+    targets, _ = compute_targets(_example_state(), CgroupLayout("cgroupfs"), Policy.HARD, 4096,
+                                 kubelet_owns=scopes)
+    if row["written by"] == "shim":
+        assert not scopes
+        assert {p: (targets[(p, "memory.min")].value, targets[(p, "memory.low")].value) for p in shown} == shown
+    else:
+        assert row["written by"] == "kubelet" and scopes == {"pod", "qos", "kubepods", "reserved"} and targets == {}
+        # the kubelet's own TieredReservation (KEP-2570, v1.36+): kubepods min = G + B, burstable low = B,
+        # Guaranteed pods min, Burstable pods low
+        assert writes.protection is Policy.TIERED_RESERVATION
+        g, b = 64 * MI, 32 * MI
+        assert shown == {"kubepods": (g + b, 0), "kubepods/burstable": (0, b), "kubepods/pod0a": (g, 0),
+                         "kubepods/burstable/pod0b": (0, b)}
+
+
 # -- links and self-containment ---------------------------------------------------------------
 MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|^\[[^\]]+\]:\s*(\S+)", re.M)
