@@ -23,11 +23,13 @@ from shim.config import OPTIONS, ConfigError, add_arguments, resolve
 from shim.decision import QoSClass
 from shim.effects import MANAGED_FILES, CgroupFS, CgroupLayout, PathRefused, Write, detect_driver
 from shim.effects.layout import POD_DIR
+from shim.effects.systemd import CgroupWriter
 from shim.node import KubeletFacts, is_cgroup_v2, load_kubelet_config
 
 log = logging.getLogger(__name__)
 
-RESET_OPTIONS = tuple(o for o in OPTIONS if o.name in ("cgroup-root", "kubelet-config", "audit-log", "log-level"))
+RESET_OPTIONS = tuple(o for o in OPTIONS
+                      if o.name in ("cgroup-root", "kubelet-config", "audit-log", "log-level", "systemd-writes"))
 
 
 def _subdirs(fs: CgroupFS, rel: str) -> list[str]:
@@ -53,9 +55,11 @@ def managed_cgroups(fs: CgroupFS, layout: CgroupLayout, reserved: list[str]) -> 
     return out
 
 
-def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: bool = False
-                  ) -> tuple[list[Write], list[str], list[str]]:
-    """Set every managed value to 0, bottom-up. Returns (writes, notes, errors)."""
+def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: bool = False,
+                  systemd_writes: str = "cgroupfs", systemctl=None) -> tuple[list[Write], list[str], list[str]]:
+    """Set every managed value to 0, bottom-up. Returns (writes, notes, errors). Through
+    systemd on a systemd node (``systemd_writes``, as ``serve``): a 0 written to cgroupfs
+    there would be replaced by systemd's MemoryMin/MemoryLow at its next daemon-reload."""
     problems: list[str] = []
     if not is_cgroup_v2(cgroup_root):
         return [], [f"{cgroup_root} is not a cgroup v2 hierarchy: the shim writes nothing there"], []
@@ -71,7 +75,9 @@ def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: boo
                 reserved.append(layout.reserved(name))
             except PathRefused as e:
                 problems.append(f"{kind} cgroup refused: {e}")
-    fs = CgroupFS(cgroup_root, [layout.kubepods, *reserved], emit=emit, dry_run=dry_run)
+    fs = CgroupWriter(cgroup_root, [layout.kubepods, *reserved], emit=emit, dry_run=dry_run, mode=systemd_writes,
+                      systemctl=systemctl)
+    fs.set_driver(driver, reserved)
     writes: list[Write] = []
     for level, path in managed_cgroups(fs, layout, reserved):
         files = ("memory.min",) if path in reserved else MANAGED_FILES
@@ -106,7 +112,8 @@ def cmd_reset(args: argparse.Namespace) -> int:
         log.warning("kubelet config: %s", problem)
     audit = AuditLog(cfg.audit_log).start()
     try:
-        writes, notes, errors = reset_cgroups(cfg.cgroup_root, kubelet, audit.emit, dry_run=args.dry_run)
+        writes, notes, errors = reset_cgroups(cfg.cgroup_root, kubelet, audit.emit, dry_run=args.dry_run,
+                                              systemd_writes=cfg.systemd_writes)
     finally:
         audit.close()
     for p in notes + errors:
