@@ -12,8 +12,9 @@ runtime=true, [MemoryMin|MemoryLow = value])`` over D-Bus (via ``systemctl set-p
 
 ``CgroupWriter`` is the writer the reconciler and ``reset`` use: a ``CgroupFS`` (same path
 validation, read-before-write, audit records) whose ``write()`` goes through systemd when
-the mode says so: ``dbus`` always, ``auto`` when the cgroup driver is systemd and systemd is
-PID 1 (``/run/systemd/system`` exists, as sd_booted() checks), ``cgroupfs`` never.
+the mode says so: ``dbus`` always, ``auto`` when the cgroup driver is systemd, systemd is
+PID 1 (``/run/systemd/system`` exists, as sd_booted() checks) and the cgroup root is the
+hierarchy systemd manages (/sys/fs/cgroup), ``cgroupfs`` never.
 
 Unit names are never taken from a request: the reconciler's paths are built by
 ``CgroupLayout`` and validated by ``CgroupTree.check``; here the unit is the path's last
@@ -33,6 +34,7 @@ from typing import Callable, Iterable, Sequence
 from shim.effects.cgroupfs import CgroupFS, PathRefused, Write, split_path
 
 WRITE_MODES = ("auto", "dbus", "cgroupfs")
+SYSTEMD_CGROUP_ROOT = "/sys/fs/cgroup"  # where systemd mounts the unified hierarchy
 PROPERTY = {"memory.min": "MemoryMin", "memory.low": "MemoryLow"}
 # systemd's unit name rules, restricted to what a kubepods or reserved unit looks like:
 # no escapes (backslash), no '@' templates, at most 255 characters.
@@ -123,12 +125,13 @@ class CgroupWriter(CgroupFS):
 
     def __init__(self, root: str, allowed: Iterable[str] = (), *, mode: str = "auto",
                  systemctl: Systemctl | None = None, booted: Callable[[], bool] = systemd_booted,
-                 settle: float = 2.0, **kw):
+                 systemd_root: str = SYSTEMD_CGROUP_ROOT, settle: float = 2.0, **kw):
         if mode not in WRITE_MODES:
             raise ValueError(f"systemd-writes must be one of {list(WRITE_MODES)}, not {mode!r}")
         self.mode = mode
         self.systemctl = systemctl or Systemctl()
         self._booted = booted
+        self._systemd_root = systemd_root
         self.settle = settle
         self.driver: str | None = None
         self.reserved: list[str] = []
@@ -145,8 +148,9 @@ class CgroupWriter(CgroupFS):
         """'systemd' or 'cgroupfs': how the next write is made."""
         if self.mode == "dbus":
             return "systemd"
-        if self.mode == "auto" and self.driver == "systemd" and self._booted():
-            return "systemd"
+        if (self.mode == "auto" and self.driver == "systemd" and self._booted()
+                and os.path.realpath(self.root) == os.path.realpath(self._systemd_root)):
+            return "systemd"  # (systemd manages only the hierarchy it mounted: not a test tree)
         return "cgroupfs"
 
     def read(self, rel: str, file: str) -> str | None:
