@@ -516,7 +516,15 @@ class Guest:
             self.freeze_shim(False)
             self.data["restore"][f"dbus-{step}"] = {"disturb": d}
             if step == "disturbed":
+                gone = self.pods["burstable-nolimit"]["slice"]
                 self.remove_pod("burstable-nolimit")
+                # where systemd keeps runtime properties, and whether the stopped pod slice's stay
+                left = []
+                for d in ("/run/systemd/system.control", "/run/systemd/transient"):
+                    for root, _dirs, files in os.walk(d):
+                        left += [os.path.join(root, f) for f in files]
+                self.data["runtime_property_files"] = sorted(left)
+                self.data["removed_slice_files_left"] = sorted(f for f in left if gone in f)
                 settled = self.wait_levels(self.args.settle)
                 self.data["phases"]["dbus"]["removed_settled_s"] = settled
                 self.check_levels("pod-removed")
