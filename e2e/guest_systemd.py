@@ -426,6 +426,38 @@ class Guest:
         self.report.timing("kubepods-slices", time.time() - t)
         self.start_containerd()
         log("containerd (SystemdCgroup = true) ready, images imported")
+        self.probe_failures()
+
+    def probe_failures(self) -> None:
+        """What the real systemctl does where tests/fake_systemctl.py imitates it: a slice
+        and a service systemd has not loaded, an unknown property, a value that is not a size
+        (recorded); the shim's wrapper must turn a refusal into a SystemdError."""
+        from shim.effects.systemd import Systemctl, SystemdError
+
+        out = {}
+        for name, argv in (("slice-not-loaded", ["kubepods-burstable-podnosuch.slice", "MemoryMin=4096"]),
+                           ("service-not-loaded", ["nosuch-e2e.service", "MemoryMin=4096"]),
+                           ("unknown-property", ["kubepods.slice", "NoSuchProperty=1"]),
+                           ("bad-value", ["kubepods.slice", "MemoryMin=lots"])):
+            p = self.run(["systemctl", "set-property", "--runtime", "--", *argv], check=False)
+            out[name] = {"exit": p.returncode, "stderr": p.stderr.strip()}
+        unit = "kubepods-burstable-podnosuch.slice"
+        out["slice-not-loaded"]["after"] = {
+            "LoadState": self.show(unit, "LoadState"), "ActiveState": self.show(unit, "ActiveState"),
+            "MemoryMin": self.show(unit, "MemoryMin"),
+            "cgroup_exists": os.path.isdir(os.path.join(CGROOT, "kubepods.slice/kubepods-burstable.slice", unit)),
+            "files": sorted(os.path.join(r, f) for d in ("/run/systemd/system.control", "/run/systemd/transient")
+                            for r, _d, fs in os.walk(d) for f in fs if "podnosuch" in r + f)}
+        try:
+            Systemctl().set_property("nosuch-e2e.service", "MemoryMin", 4096)
+            err = "(no error)"
+        except SystemdError as e:
+            err = str(e)
+        out["wrapper"] = err
+        self.data["systemctl_failures"] = out
+        self.report.check(SCENARIO, "setup", "systemctl set-property refused by systemd (a service it has not loaded)",
+                          "shim.effects.systemd.Systemctl", "SystemdError", "SystemdError" if err != "(no error)"
+                          else err, err, source="systemd", ok=(err != "(no error)") == (out["service-not-loaded"]["exit"] != 0))
 
     def phase_cgroupfs(self) -> None:
         self.phase = "cgroupfs"

@@ -8,9 +8,11 @@ State (JSON, path in $FAKE_SYSTEMD_STATE):
    "props": {unit: {property: value}}, "calls": [argv, ...], "bus": true}
 
   systemctl set-property [--runtime] [--] UNIT PROP=VALUE...
-      "Unit UNIT not loaded." unless UNIT is in units; MemoryMin/MemoryLow/MemoryMax/CPUWeight
-      only; sizes must be bytes, "infinity" or K/M/G suffixed; stores the properties and
-      writes memory.min / memory.low of the unit's cgroup (systemd applies what it is told)
+      MemoryMin/MemoryLow/MemoryMax/CPUWeight only; sizes must be bytes, "infinity" or K/M/G
+      suffixed; stores the properties and writes memory.min / memory.low of the unit's cgroup
+      (systemd applies what it is told). A service or scope systemd does not know: "Unit UNIT
+      not found."; a slice it does not know is loaded on the spot, gets the property and a
+      cgroup (what systemd 252 did in the systemd guest, report["systemd"]["systemctl_failures"])
   systemctl daemon-reload
       re-applies every loaded unit's memory.min / memory.low from its properties (0 when
       unset): what systemd does to values written behind its back
@@ -38,12 +40,12 @@ def parse_size(prop: str, text: str) -> int | str:
     if prop == "CPUWeight":
         if text.isdigit() and 1 <= int(text) <= 10000:
             return int(text)
-        fail(f"Failed to parse {prop} value {text}.")
+        fail(f"Failed to parse {prop}={text}: Invalid argument")
     if text == "infinity":
         return text
     m = _SIZE.match(text)
     if not m:
-        fail(f"Failed to parse {prop} value {text}.")
+        fail(f"Failed to parse {prop}={text}: Invalid argument")
     return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)]
 
 
@@ -82,7 +84,17 @@ def main(argv: list[str]) -> int:
                     fail(f"Unknown assignment: {a}")
                 parsed[prop] = parse_size(prop, value)
             if unit not in state["units"]:
-                fail(f"Failed to set unit properties on {unit}: Unit {unit} not loaded.")
+                if not unit.endswith(".slice"):
+                    fail(f"Failed to set unit properties on {unit}: Unit {unit} not found.")
+                words = unit[: -len(".slice")].split("-")
+                where = "/".join("-".join(words[: i + 1]) + ".slice" for i in range(len(words)))
+                state["units"][unit] = where
+                d = os.path.join(state["root"], where)
+                os.makedirs(d, exist_ok=True)
+                for file in FILES.values():
+                    if not os.path.exists(os.path.join(d, file)):
+                        with open(os.path.join(d, file), "w") as fh:
+                            fh.write("0\n")
             state.setdefault("props", {}).setdefault(unit, {}).update(parsed)
             apply(state, unit)
         elif cmd == "daemon-reload":

@@ -189,22 +189,37 @@ def test_a_value_already_in_the_file_is_told_to_systemd_once(tmp_path, monkeypat
 
 def test_systemctl_failures_are_oserrors_and_nothing_is_recorded(tmp_path, monkeypatch):
     tree = FakeCgroupTree(tmp_path / "cg", "systemd")
-    pod = tree.make_pod("burstable", "0a")
-    sd = FakeSystemd(tmp_path, tree, [tree.kubepods])  # the pod slice is not loaded in systemd
+    tree.mkdir("system.slice/kubelet.service")
+    sd = FakeSystemd(tmp_path, tree, [tree.kubepods])  # kubelet.service: not known to systemd
     sd.env(monkeypatch)
-    w = writer(tree)
-    with pytest.raises(SystemdError, match="Unit kubepods-burstable-pod0a.slice not loaded"):
-        w.write(pod, "memory.min", 8 * MI, "pod request")
+    w = CgroupWriter(str(tree.root), [tree.kubepods, "system.slice/kubelet.service"], mode="dbus", settle=0.2)
+    w.set_driver("systemd", ["system.slice/kubelet.service"])
+    with pytest.raises(SystemdError, match="Unit kubelet.service not found"):
+        w.write("system.slice/kubelet.service", "memory.min", 8 * MI, "kube-reserved")
     assert isinstance(SystemdError("x"), OSError)
     sd.set("bus", False)
     with pytest.raises(SystemdError, match="Failed to connect to bus"):
         w.write(tree.kubepods, "memory.min", 8 * MI, "sum")
-    assert list(w.writes) == [] and tree.get(pod) == 0 and tree.get(tree.kubepods) == 0
+    assert list(w.writes) == [] and tree.get("system.slice/kubelet.service") == 0 and tree.get(tree.kubepods) == 0
     missing = Systemctl(command=[str(tmp_path / "no-such-systemctl")])
     with pytest.raises(SystemdError, match="cannot run"):
         missing.set_property("kubepods.slice", "MemoryMin", 1)
     with pytest.raises(ValueError):
         missing.set_property("kubepods.slice", "CPUWeight", 1)  # only MemoryMin / MemoryLow
+
+
+def test_systemd_is_never_asked_about_a_slice_whose_cgroup_is_gone(tmp_path, monkeypatch):
+    """systemd accepts a property for a slice it does not know: it loads the slice and makes its
+    cgroup (seen in the systemd guest). So the writer asks only for cgroups that exist."""
+    tree = FakeCgroupTree(tmp_path / "cg", "systemd")
+    sd = FakeSystemd(tmp_path, tree, [tree.kubepods])
+    sd.env(monkeypatch)
+    w = writer(tree)
+    with pytest.raises(FileNotFoundError):
+        w.write(tree.pod("burstable", "0a"), "memory.min", 8 * MI, "pod request")
+    assert sd.set_property_calls() == [] and not (tree.root / tree.pod("burstable", "0a")).exists()
+    sd.systemctl("set-property", "--runtime", "--", "kubepods-burstable-pod0b.slice", "MemoryMin=4096")
+    assert tree.get(tree.pod("burstable", "0b")) == 4096  # what the writer avoids
 
 
 def test_paths_are_validated_before_systemd_is_asked(tmp_path, monkeypatch):
@@ -281,21 +296,22 @@ def test_reconciler_values_and_daemon_reload(tmp_path, monkeypatch, mode):
         s.close()
 
 
-def test_reconciler_retries_a_unit_systemd_does_not_know_yet(tmp_path, monkeypatch):
+def test_reconciler_retries_when_systemd_cannot_be_reached(tmp_path, monkeypatch):
     tree = FakeCgroupTree(tmp_path / "cg", "systemd")
     bp = tree.pod("burstable", B_UID)
-    sd = FakeSystemd(tmp_path, tree, [tree.kubepods, tree.burstable, tree.besteffort])
+    sd = FakeSystemd(tmp_path, tree, [tree.kubepods, tree.burstable, tree.besteffort, bp])
     sd.env(monkeypatch)
+    sd.set("bus", False)  # dbus restarting
     s = Stack(tmp_path, driver="systemd", tree=tree, resync=0.3, extra=("--systemd-writes", "dbus"))
     try:
         b = s.kubelet.run_pod("qos-burstable", B_UID, "burstable")
         s.kubelet.create(b, "main", "burstable", request=32 * MI)
         s.sync()
-        assert tree.get(tree.burstable) == 32 * MI and tree.get(bp) == 0
+        assert tree.nonzero() == {}
         errors = [r for r in s.records() if r["event"] == "reconciler-error"]
-        assert errors and "not loaded" in errors[0]["error"]
-        sd.load(bp)
-        wait_for(lambda: tree.get(bp) == 32 * MI, timeout=10)
+        assert errors and "Failed to connect to bus" in errors[0]["error"]
+        sd.set("bus", True)
+        wait_for(lambda: tree.get(bp) == 32 * MI and tree.get(tree.kubepods) == 32 * MI, timeout=10)
     finally:
         s.close()
 

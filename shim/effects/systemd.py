@@ -21,6 +21,12 @@ Unit names are never taken from a request: the reconciler's paths are built by
 component, which must be a unit name whose place in the tree is exactly where systemd puts
 it (``a-b.slice`` at ``a.slice/a-b.slice``), and either a ``kubepods*.slice`` or one of the
 configured reserved cgroups itself.
+
+systemd accepts a property for a slice it has not loaded: it loads the slice, stores the
+property and creates an (empty) cgroup for it (seen with systemd 252 in the systemd guest). So
+systemd is asked only about cgroups that exist (the file is read first); a pod slice stopped
+between that read and the call stays behind as an inactive slice with a runtime drop-in until
+the next boot.
 """
 from __future__ import annotations
 
