@@ -1640,7 +1640,8 @@ def systemd_usable() -> tuple[bool, str]:
     if pid1 == "systemd" and os.path.isdir("/run/systemd/system"):
         return True, ""
     return False, (f"the guest's PID 1 is {pid1!r}, not systemd: runc's systemd cgroup driver creates "
-                   "scopes and slices through systemd over D-Bus, which a virtme-ng guest does not run")
+                   "scopes and slices through systemd over D-Bus, which a virtme-ng guest does not run "
+                   "(the systemd driver is proven by scripts/e2e-vm --guest systemd)")
 
 
 def main(argv: list[str]) -> int:

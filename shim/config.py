@@ -150,6 +150,16 @@ def _transport(v: Any) -> str:
     return t
 
 
+SYSTEMD_WRITES = ("auto", "dbus", "cgroupfs")
+
+
+def _systemd_writes(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in SYSTEMD_WRITES:
+        raise ConfigError(f"systemd-writes must be one of {list(SYSTEMD_WRITES)}, not {v!r}")
+    return t
+
+
 def _policy(v: Any) -> Policy:
     """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)
     or one of the shim's earlier names (request, tiered, none)."""
@@ -252,6 +262,11 @@ OPTIONS: tuple[Option, ...] = (
            "false leaves those cgroups alone"),
     Option("resync-interval", 30.0, _positive_float,
            "seconds between resyncs with the runtime that recompute pod/QoS/node values and repair drift", "S"),
+    Option("systemd-writes", "auto", _systemd_writes,
+           "how pod/QoS/node values are written: dbus (systemd's SetUnitProperties MemoryMin=/MemoryLow= on the "
+           "slice units, runtime, so systemd keeps them across daemon-reload and its own property changes), "
+           "cgroupfs (directly to the files), auto (dbus when the cgroup driver is systemd and systemd is PID 1, "
+           "else cgroupfs)"),
     Option("metrics-address", None, _metrics_address,
            "serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT); default: off", "ADDR"),
     Option("monitor-interval", 5.0, _non_negative_float,

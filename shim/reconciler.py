@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shim.decision import Policy, QoSClass, protection_key
-from shim.effects import CgroupFS, CgroupLayout, PathRefused, detect_driver, parse_value
+from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
+from shim.effects.systemd import CgroupWriter
 from shim.node import KubeletFacts, is_cgroup_v2
 from shim.node_state import OBSERVED_METHODS, NodeState
 from shim.quantity import format_bytes
@@ -233,6 +234,7 @@ class Reconciler:
         client_factory: Callable[[], object] | None = None,
         resync_interval: float = 30.0,
         ownership=None,
+        systemd_writes: str = "cgroupfs",
     ):
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
@@ -251,7 +253,8 @@ class Reconciler:
         self._client_factory = client_factory
         self.client = None
         self.state = NodeState(capacity)
-        self.fs = CgroupFS(cgroup_root, (), emit=emit)
+        # how writes are made (cgroupfs, or systemd's SetUnitProperties on systemd-driver nodes)
+        self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.observer = ReconcilerObserver(self._q)
         self.layout: CgroupLayout | None = None
@@ -429,6 +432,7 @@ class Reconciler:
             log.info("pod/QoS/node memory protection is active (%s driver)", self.layout.driver)
             self._emit({"event": "reconciler-active", "driver": self.layout.driver,
                         "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value,
+                        "writes": self.fs.via,
                         **({"left_to_kubelet": sorted(self.kubelet_scopes)} if self.kubelet_scopes else {})})
 
     def _check_tree(self) -> bool:
@@ -454,6 +458,7 @@ class Reconciler:
             for key, why in refusals:
                 self._refuse(key, why)
             self.fs.set_allowed([self.layout.kubepods] + [r.path for r in self.reserved])
+            self.fs.set_driver(driver, [r.path for r in self.reserved])
         if not self.fs.exists(self.layout.kubepods):
             self._say_idle(f"the kubepods cgroup {self.fs.abspath(self.layout.kubepods)} does not exist "
                            "(or is not a directory)")
@@ -571,4 +576,5 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
         client_factory=lambda: RuntimeClient(cfg.upstream),
         resync_interval=getattr(cfg, "resync_interval", 30.0),
         ownership=ownership,
+        systemd_writes=getattr(cfg, "systemd_writes", "auto"),
     )

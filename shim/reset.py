@@ -23,12 +23,13 @@ from shim.config import OPTIONS, ConfigError, add_arguments, resolve
 from shim.decision import QoSClass
 from shim.effects import MANAGED_FILES, CgroupFS, CgroupLayout, PathRefused, Write, detect_driver
 from shim.effects.layout import POD_DIR
+from shim.effects.systemd import CgroupWriter
 from shim.node import KubeletFacts, is_cgroup_v2, load_kubelet_config
 
 log = logging.getLogger(__name__)
 
 RESET_OPTIONS = tuple(o for o in OPTIONS if o.name in ("cgroup-root", "kubelet-config", "kubelet-version", "audit-log",
-                                                       "log-level"))
+                                                       "log-level", "systemd-writes"))
 
 
 def _subdirs(fs: CgroupFS, rel: str) -> list[str]:
@@ -55,10 +56,13 @@ def managed_cgroups(fs: CgroupFS, layout: CgroupLayout, reserved: list[str]) -> 
 
 
 def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: bool = False,
-                  kubelet_version: tuple[int, int] | None = None) -> tuple[list[Write], list[str], list[str]]:
+                  kubelet_version: tuple[int, int] | None = None, systemd_writes: str = "cgroupfs",
+                  systemctl=None) -> tuple[list[Write], list[str], list[str]]:
     """Set every managed value to 0, bottom-up. Returns (writes, notes, errors). Values the
     kubelet writes itself (its MemoryQoS configured to protect requests, shim.kubelet_model)
-    are the kubelet's: reset leaves them alone and says so."""
+    are the kubelet's: reset leaves them alone and says so. Through systemd on a systemd node
+    (``systemd_writes``, as ``serve``): a 0 written to cgroupfs there would be replaced by
+    systemd's MemoryMin/MemoryLow at its next daemon-reload."""
     from shim.kubelet_model import fmt_version, kubelet_writes
 
     problems: list[str] = []
@@ -80,7 +84,9 @@ def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: boo
                 reserved.append(layout.reserved(name))
             except PathRefused as e:
                 problems.append(f"{kind} cgroup refused: {e}")
-    fs = CgroupFS(cgroup_root, [layout.kubepods, *reserved], emit=emit, dry_run=dry_run)
+    fs = CgroupWriter(cgroup_root, [layout.kubepods, *reserved], emit=emit, dry_run=dry_run, mode=systemd_writes,
+                      systemctl=systemctl)
+    fs.set_driver(driver, reserved)
     writes: list[Write] = []
     for level, path in managed_cgroups(fs, layout, reserved):
         files = ("memory.min",) if path in reserved else MANAGED_FILES
@@ -119,7 +125,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
 
         version, _ = detect_kubelet_version(cfg.kubelet_version)
         writes, notes, errors = reset_cgroups(cfg.cgroup_root, kubelet, audit.emit, dry_run=args.dry_run,
-                                              kubelet_version=version)
+                                              kubelet_version=version, systemd_writes=cfg.systemd_writes)
     finally:
         audit.close()
     for p in notes + errors:
