@@ -1561,6 +1561,423 @@ class GuardScenario:
         self.direct.close()
 
 
+# -- proactive reclaim on a real kernel -------------------------------------------------------------
+def parse_pressure_full(text: str) -> dict[str, dict[str, float]]:
+    """memory.pressure -> {'some': {'avg10': .., 'total': ..}, 'full': {...}} (total in µs)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("some", "full"):
+            vals = {}
+            for kv in parts[1:]:
+                k, _, v = kv.partition("=")
+                try:
+                    vals[k] = float(v)
+                except ValueError:
+                    pass
+            out[parts[0]] = vals
+    return out
+
+
+class ReclaimScenario:
+    """Issue J: proactive reclaim (memory.reclaim) on a real kernel, without and with, in one boot.
+
+    The workload is page cache: a busybox reader dd's 2 MiB of a sparse 4 GiB file on an ext4
+    filesystem (on a brd ramdisk, or a loop device, mounted read-only into the container)
+    every 0.25 s, always at a new offset: the holes are read as zero-filled page cache pages
+    (memory.stat `file`), clean and never re-read (no refaults) -- a container streaming
+    through data, whose cache grows until memory.high. Burstable, request 16Mi, limit 336Mi,
+    memoryThrottlingFactor 0.25 -> memory.high 96Mi (e2e/expect.py). Beside it, in both
+    phases, the guard scenario's anon-only hog (request 16Mi, limit 96Mi -> memory.high 36Mi,
+    target 80 MiB, no swap): reclaim must leave it alone; the guard relaxes its crawl.
+
+    * without: shim --reclaim false (monitor every second, guard relax, window 10 s);
+    * with: a new shim with --reclaim true (its defaults), the same pods on a fresh file
+      (caches dropped between the phases).
+
+    Each phase is measured over the same MEASURE seconds from StartContainer: memory.events
+    high of the reader, PSI some/full (avg10 max and mean, stall time from the totals), its
+    memory.current (max, share of samples at memory.high), memory.stat file and refaults, the
+    reader's loops per second, and with reclaim the bytes reclaimed (/metrics) and the
+    `reclaim` audit records. report["reclaim"], logs/reclaim-timeline.jsonl, RECLAIM lines.
+    """
+
+    REQUEST, LIMIT, FACTOR = 16 * MI, 336 * MI, 0.25
+    HOG_LIMIT, HOG_TARGET, HOG_STEP_MS = 96 * MI, 80, 50
+    CHUNK_MIB, SLEEP_US = 2, 250000
+    MEASURE = 75.0
+    POLL = 0.5
+    INTERVAL = 1.0
+
+    def __init__(self, args, report: Report):
+        self.args = args
+        self.report = report
+        self.name = "reclaim"
+        self.logs = os.path.join(args.out, "logs")
+        self.timeline = os.path.join(self.logs, "reclaim-timeline.jsonl")
+        self.work = os.path.join(RUN, "reclaim")
+        self.data_dir = os.path.join(self.work, "data")
+        os.makedirs(self.data_dir, exist_ok=True)
+        capacity = int(open("/proc/meminfo").readline().split()[1]) * 1024
+        self.node = X.Node(capacity=capacity, page=os.sysconf("SC_PAGE_SIZE"), factor=self.FACTOR)
+        self.kubelet_config = os.path.join(self.work, "kubelet-config.json")
+        with open(self.kubelet_config, "w") as f:
+            json.dump({"kind": "KubeletConfiguration", "apiVersion": "kubelet.config.k8s.io/v1beta1",
+                       "cgroupDriver": "cgroupfs", "cgroupsPerQOS": True, "cgroupRoot": "/",
+                       "memoryThrottlingFactor": self.FACTOR}, f)
+        self.exp = X.container_expectation(X.BURSTABLE, self.LIMIT, self.oom_score_adj(self.REQUEST),
+                                           {"memory.min": str(self.REQUEST)}, self.node)
+        self.high = int(X.kernel_reads(self.exp.high, self.node.page))
+        hog_exp = X.container_expectation(X.BURSTABLE, self.HOG_LIMIT, self.oom_score_adj(self.REQUEST),
+                                          {"memory.min": str(self.REQUEST)}, self.node)
+        self.hog_high = int(X.kernel_reads(hog_exp.high, self.node.page))
+        self.shim: Shim | None = None
+        self.cri: Cri | None = None
+        self.direct = Cri(CONTAINERD_SOCK)
+        self.device = None
+        self.summary: list[str] = []
+        self.data: dict = {
+            "settings": {"monitor_interval": self.INTERVAL, "measure_s": self.MEASURE, "poll": self.POLL,
+                         "reader_chunk_mib": self.CHUNK_MIB, "reader_sleep_us": self.SLEEP_US,
+                         "shim_reclaim_flags": "defaults (--reclaim true --reclaim-audit-interval 15)"},
+            "reader": {"request": self.REQUEST, "limit": self.LIMIT, "factor": self.FACTOR,
+                       "memory.high": self.high, "why": self.exp.why},
+            "hog": {"request": self.REQUEST, "limit": self.HOG_LIMIT, "memory.high": self.hog_high,
+                    "target_mib": self.HOG_TARGET},
+            "phases": {},
+        }
+        report.data["reclaim"] = self.data
+
+    def oom_score_adj(self, request: int) -> int:
+        return min(max(1000 - (1000 * request) // self.node.capacity, 3), 999)
+
+    def note(self, line: str) -> None:
+        self.summary.append(line)
+        self.data["summary"] = self.summary
+        log(f"reclaim: {line}")
+
+    def check(self, step: str, subject: str, file: str, expected, actual, why: str = "", source: str = "cgroupfs",
+              ok: bool | None = None) -> bool:
+        return self.report.check(self.name, step, subject, file, str(expected), str(actual), why, source, ok)
+
+    # -- the page-cache data: sparse files on ext4 (holes read as page cache, no memory behind them)
+    def setup_data(self) -> None:
+        def run(*cmd: str) -> subprocess.CompletedProcess:
+            return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+
+        p = run("modprobe", "brd", "rd_nr=1", "rd_size=65536")
+        if p.returncode == 0 and os.path.exists("/dev/ram0"):
+            self.device = "/dev/ram0"
+        else:
+            img = os.path.join(self.work, "disk.img")
+            with open(img, "wb") as f:
+                f.truncate(64 * MI)
+            run("modprobe", "loop")
+            q = run("losetup", "-f", "--show", img)
+            if q.returncode != 0:
+                raise InfraError(f"no ramdisk ({p.stderr.strip()}) and no loop device ({q.stderr.strip()})")
+            self.device = q.stdout.strip()
+        for cmd in (("modprobe", "ext4"), ("mkfs.ext4", "-q", "-F", "-b", "4096", self.device),
+                    ("mount", "-t", "ext4", self.device, self.data_dir)):
+            r = run(*cmd)
+            if r.returncode != 0 and cmd[0] != "modprobe":
+                raise InfraError(f"{' '.join(cmd)}: {r.stderr.strip()[-300:]}")
+        for phase in ("without", "with"):
+            with open(os.path.join(self.data_dir, f"{phase}.img"), "wb") as f:
+                f.truncate(4 << 30)
+        self.data["device"] = self.device
+        log(f"reclaim: sparse 4 GiB files on ext4 on {self.device} at {self.data_dir}")
+
+    @staticmethod
+    def drop_caches() -> None:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+    # -- shim and pods
+    def start_shim(self, phase: str, reclaim: bool, port: int) -> None:
+        extra = ("--monitor-interval", f"{self.INTERVAL:g}", "--guard-action", "relax", "--guard-window", "10",
+                 "--guard-cooldown", "600", "--metrics-address", f"127.0.0.1:{port}",
+                 "--reclaim", "true" if reclaim else "false")
+        if reclaim:
+            extra += ("--reclaim-audit-interval", "15")
+        self.shim = Shim(self.args.python, self.logs, f"reclaim-{phase}", self.kubelet_config, "/proc/meminfo", extra)
+        self.metrics_address = f"127.0.0.1:{port}"
+        dt = self.shim.start()
+        self.report.timing(f"reclaim-{phase}:shim-start", dt)
+        log(f"reclaim-{phase}: shim (--reclaim {str(reclaim).lower()}) serving after {dt:.1f}s")
+        self.cri = Cri(SHIM_SOCK)
+
+    def stop_shim(self) -> None:
+        if self.cri:
+            self.cri.close()
+            self.cri = None
+        if self.shim and self.shim.proc and self.shim.proc.poll() is None:
+            self.shim.kill(signal.SIGTERM)
+
+    def create_pod(self, name: str, kind: str, phase: str) -> dict:
+        import uuid
+
+        from shim.cri import api_pb2 as pb
+
+        uid = uuid.uuid4().hex
+        parent = f"/kubepods/burstable/pod{uid}"
+        cname = kind
+        logdir = os.path.join(self.work, "pods", f"default_{name}_{uid}")
+        os.makedirs(os.path.join(logdir, cname), exist_ok=True)
+        sb = pb.PodSandboxConfig()
+        sb.metadata.name, sb.metadata.uid, sb.metadata.namespace = name, uid, "default"
+        sb.log_directory = logdir
+        sb.labels.update({"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": "default",
+                          "io.kubernetes.pod.uid": uid, "app": "memqos-reclaim-e2e"})
+        sb.linux.cgroup_parent = parent
+        sb.linux.security_context.namespace_options.network = pb.NODE
+        sb.linux.security_context.namespace_options.pid = pb.CONTAINER
+        sandbox_id = self.cri.call("RunPodSandbox", pb.RunPodSandboxRequest(config=sb)).pod_sandbox_id
+        req = pb.CreateContainerRequest(pod_sandbox_id=sandbox_id)
+        req.sandbox_config.CopyFrom(sb)
+        c = req.config
+        c.metadata.name = cname
+        r = c.linux.resources
+        if kind == "reader":
+            c.image.image = "localhost/busybox:latest"
+            script = (f"i=0; while :; do dd if=/data/{phase}.img of=/dev/null bs=1048576 count={self.CHUNK_MIB} "
+                      f"skip=$((i*{self.CHUNK_MIB})) 2>/dev/null; i=$((i+1)); echo \"reader: $i\"; "
+                      f"usleep {self.SLEEP_US}; done")
+            c.command.extend(["sh", "-c", script])
+            c.mounts.append(pb.Mount(container_path="/data", host_path=self.data_dir, readonly=True))
+            r.memory_limit_in_bytes = self.LIMIT
+        else:
+            c.image.image = HOG_IMAGE
+            c.args.extend([str(self.HOG_TARGET), str(self.HOG_STEP_MS), "sleep"])
+            r.memory_limit_in_bytes = self.HOG_LIMIT
+        c.log_path = f"{cname}/0.log"
+        c.labels.update({"io.kubernetes.container.name": cname, "io.kubernetes.pod.name": name,
+                         "io.kubernetes.pod.namespace": "default", "io.kubernetes.pod.uid": uid})
+        r.cpu_period, r.cpu_shares = 100000, 2
+        r.oom_score_adj = self.oom_score_adj(self.REQUEST)
+        r.unified["memory.min"] = str(self.REQUEST)
+        c.linux.security_context.namespace_options.network = pb.NODE
+        c.linux.security_context.namespace_options.pid = pb.CONTAINER
+        cid = self.cri.call("CreateContainer", req).container_id
+        self.cri.call("StartContainer", pb.StartContainerRequest(container_id=cid))
+        t = time.time()
+        log(f"reclaim-{phase}: pod {name} started ({cid[:12]})")
+        return {"name": name, "kind": kind, "uid": uid, "sandbox": sandbox_id, "id": cid, "parent": parent,
+                "cg": f"{parent}/{cid}", "log": os.path.join(logdir, cname, "0.log"), "t_start": t, "samples": []}
+
+    def remove_pod(self, pod: dict) -> None:
+        from shim.cri import api_pb2 as pb
+
+        cri = self.cri or self.direct
+        cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+        cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+
+    @staticmethod
+    def loops(log_path: str) -> int:
+        try:
+            with open(log_path) as f:
+                return sum(1 for line in f if " reader: " in line)
+        except OSError:
+            return 0
+
+    def sample(self, pod: dict, phase: str) -> dict:
+        cg = pod["cg"]
+        t = time.time()
+        s: dict = {"t": round(t - pod["t_start"], 2), "wall": round(t, 3)}
+        if os.path.isdir(CGROOT + cg):
+            cur = cg_read(cg, "memory.current")
+            s["current"] = int(cur) if cur.isdigit() else None
+            s["high"] = cg_read(cg, "memory.high")
+            s["events"] = parse_events(cg_read(cg, "memory.events"))
+            p = parse_pressure_full(cg_read(cg, "memory.pressure"))
+            for kind in ("some", "full"):
+                s[kind] = p.get(kind, {}).get("avg10")
+                s[f"{kind}_total_us"] = p.get(kind, {}).get("total")
+            st = parse_events(cg_read(cg, "memory.stat"))
+            s["file"], s["anon"] = st.get("file"), st.get("anon")
+            s["refault_file"] = st.get("workingset_refault_file")
+        else:
+            s["gone"] = True
+        if pod["kind"] == "reader":
+            s["loops"] = self.loops(pod["log"])
+        else:
+            hog = hog_progress(pod["log"])
+            s["hog_mib"], s["hog_done"] = hog["mib"], hog["done"]
+        pod["samples"].append(s)
+        with open(self.timeline, "a") as f:
+            f.write(json.dumps({"phase": phase, "pod": pod["name"], **s}) + "\n")
+        return s
+
+    def measure(self, pod: dict) -> dict:
+        ss = [s for s in pod["samples"] if not s.get("gone")]
+        first, last = ss[0], ss[-1]
+        at_high = [s for s in ss if s.get("current") is not None and s["current"] >= self.high - MI]
+        reach = next((s for s in ss if s.get("current") is not None and s["current"] >= self.high - 10 * MI), None)
+        dt = last["wall"] - first["wall"]
+
+        def delta(key: str):
+            a, b = first.get(key), last.get(key)
+            return None if a is None or b is None else b - a
+
+        somes = [s["some"] for s in ss if s.get("some") is not None]
+        fulls = [s["full"] for s in ss if s.get("full") is not None]
+        return {
+            "samples": len(ss), "seconds": round(dt, 2),
+            "high_events": last.get("events", {}).get("high", 0),
+            "max_events": last.get("events", {}).get("max", 0),
+            "oom_kill": last.get("events", {}).get("oom_kill", 0),
+            "current_max": max((s["current"] for s in ss if s.get("current") is not None), default=None),
+            "current_end": last.get("current"),
+            "share_at_high": round(len(at_high) / len(ss), 3),
+            "near_high_at_t": reach and reach["t"],
+            "file_end": last.get("file"), "anon_end": last.get("anon"),
+            "refault_file_delta": delta("refault_file"),
+            "some_avg10_max": max(somes, default=None),
+            "some_avg10_mean": round(sum(somes) / len(somes), 2) if somes else None,
+            "full_avg10_max": max(fulls, default=None),
+            "full_avg10_mean": round(sum(fulls) / len(fulls), 2) if fulls else None,
+            "some_stall_ms": None if delta("some_total_us") is None else round(delta("some_total_us") / 1000, 1),
+            "full_stall_ms": None if delta("full_total_us") is None else round(delta("full_total_us") / 1000, 1),
+            "loops": delta("loops"),
+            "loops_per_s": round(delta("loops") / dt, 3) if dt > 0 and delta("loops") is not None else None,
+        }
+
+    def phase(self, phase: str, reclaim: bool, port: int) -> dict:
+        self.drop_caches()
+        self.start_shim(phase, reclaim, port)
+        reader = self.create_pod(f"reclaim-{phase}-reader", "reader", phase)
+        hog = self.create_pod(f"reclaim-{phase}-hog", "hog", phase)
+        end = time.time() + self.MEASURE
+        while time.time() < end:
+            for p in (reader, hog):
+                self.sample(p, phase)
+            time.sleep(self.POLL)
+        metrics = scrape_metrics(self.metrics_address)
+        audit = read_audit(self.shim.audit_log)
+        out = {"reader": {"id": reader["id"], **self.measure(reader)},
+               "hog": {"id": hog["id"], "high_events": (hog["samples"][-1].get("events") or {}).get("high"),
+                       "mib_end": hog["samples"][-1].get("hog_mib"), "done": hog["samples"][-1].get("hog_done"),
+                       "memory_high_end": hog["samples"][-1].get("high")}}
+        for key, pod in (("reader", reader), ("hog", hog)):
+            recs = [r for r in audit if r.get("container_id") == pod["id"]]
+            out[key]["reclaim_records"] = [r for r in recs if r.get("event") == "reclaim"]
+            out[key]["reclaim_errors"] = [r for r in recs if r.get("event") == "reclaim-error"]
+            out[key]["guard"] = [r.get("event") for r in recs if str(r.get("event", "")).startswith("guard-")]
+            out[key]["reclaimed_bytes_metric"] = metric(metrics, "memqos_container_reclaimed_bytes_total",
+                                                        container_id=pod["id"])
+            out[key]["reclaim_writes_audited"] = sum(r.get("writes", 0) for r in out[key]["reclaim_records"])
+        out["metrics"] = {k: metric(metrics, n, **lb) for k, n, lb in (
+            ("writes_ok", "memqos_reclaim_writes_total", {"result": "ok"}),
+            ("writes_eagain", "memqos_reclaim_writes_total", {"result": "eagain"}),
+            ("writes_error", "memqos_reclaim_writes_total", {"result": "error"}),
+            ("asked_bytes", "memqos_reclaim_asked_bytes_total", {}),
+            ("freed_bytes", "memqos_reclaim_freed_bytes_total", {}),
+            ("backoffs", "memqos_reclaim_backoffs_total", {}),
+            ("stalls_avoided", "memqos_reclaim_stalls_avoided_total", {}),
+            ("high_events_while_active", "memqos_reclaim_high_events_while_active_total", {}),
+            ("monitor_sample_duration_seconds", "memqos_monitor_sample_duration_seconds", {}))}
+        for p in (reader, hog):
+            try:
+                self.remove_pod(p)
+            except Exception as e:  # noqa: BLE001
+                log(f"reclaim: removing {p['name']}: {e}")
+        self.stop_shim()
+        self.data["phases"][phase] = out
+        return out
+
+    def run(self) -> None:
+        t = time.time()
+        swaps = open("/proc/swaps").read().splitlines()[1:]
+        if swaps:
+            raise InfraError(f"the guest has swap ({swaps}): the anon-only hog could be reclaimed")
+        self.data["guest"] = {"kernel": os.uname().release}
+        self.setup_data()
+        probe = os.path.join(CGROOT, "system.slice", "memory.reclaim")
+        self.check("setup", "kernel", probe, "exists (kernel >= 5.19)", "exists" if os.path.exists(probe) else "missing",
+                   "proactive reclaim needs memory.reclaim", ok=os.path.exists(probe))
+        wo = self.phase("without", False, 19470)
+        wi = self.phase("with", True, 19471)
+        self.compare(wo, wi)
+        self.report.timing("reclaim:total", time.time() - t)
+
+    def compare(self, wo: dict, wi: dict) -> None:
+        step = "without vs with reclaim"
+        a, b = wo["reader"], wi["reader"]
+        subj = f"reader (page cache, memory.high {self.high / MI:.0f} MiB)"
+        self.check("without", subj, "memory.stat file (end of the phase)", f">= {self.high // 2} (the workload is "
+                   "page cache)", a["file_end"], "the reader's cache grows", ok=(a["file_end"] or 0) >= self.high // 2)
+        self.check("without", subj, "memory.events high", "> 0 (the workload reaches memory.high)", a["high_events"],
+                   "without reclaim the kernel reclaims at memory.high in the reader's own tasks",
+                   ok=a["high_events"] > 0)
+        self.check("without", subj, "guard records for the reader", "none", a["guard"] or "none",
+                   "the comparison needs memory.high in force all along", "audit log", ok=not a["guard"])
+        self.check("with", subj, "guard records for the reader", "none", b["guard"] or "none",
+                   "the comparison needs memory.high in force all along", "audit log", ok=not b["guard"])
+        self.check(step, subj, "memory.events high", f"< {a['high_events']} (without)", b["high_events"],
+                   "proactive reclaim keeps the reader out of memory.high's reclaim", ok=b["high_events"] < a["high_events"])
+        self.check(step, subj, "share of samples at memory.high (>= high - 1 MiB)", f"< {a['share_at_high']} (without)",
+                   b["share_at_high"], "", ok=b["share_at_high"] < a["share_at_high"])
+        self.check(step, subj, "memory.pressure some stall time over the phase (ms)", f"<= {a['some_stall_ms']} (without)",
+                   b["some_stall_ms"], "the reclaim work runs in the shim's task, not the reader's",
+                   ok=b["some_stall_ms"] is not None and a["some_stall_ms"] is not None
+                   and b["some_stall_ms"] <= a["some_stall_ms"])
+        freed = b.get("reclaimed_bytes_metric") or 0
+        self.check("with", subj, f"http://{self.metrics_address}/metrics memqos_container_reclaimed_bytes_total", "> 0",
+                   freed, "memory.current before - after each write", "metrics", ok=freed > 0)
+        self.check("with", subj, "audit: reclaim records for the reader", ">= 1", len(b["reclaim_records"]),
+                   "the first write of a quiet container is audited at once", "audit log", ok=bool(b["reclaim_records"]))
+        self.check("without", subj, "audit: reclaim records (--reclaim false)", "0",
+                   len(a["reclaim_records"]) + len(a["reclaim_errors"]), "off by default changes nothing", "audit log")
+        lw, lo = b["loops_per_s"], a["loops_per_s"]
+        self.check(step, subj, "reader loops/s", f">= 0.9 x {lo} (without)", lw, "no throughput lost to reclaim",
+                   "container log", ok=lw is not None and lo is not None and lw >= 0.9 * lo)
+        hog = wi["hog"]
+        hsubj = f"hog (anon only, memory.high {self.hog_high / MI:.0f} MiB, target {self.HOG_TARGET} MiB)"
+        self.check("with", hsubj, "audit: reclaim records / writes for the hog", "0 / 0",
+                   f"{len(hog['reclaim_records'])} / {hog['reclaim_writes_audited']}",
+                   "anon without swap cannot be reclaimed: left alone", "audit log",
+                   ok=not hog["reclaim_records"])
+        self.check("with", hsubj, f"http://{self.metrics_address}/metrics memqos_container_reclaimed_bytes_total", "0.0",
+                   hog.get("reclaimed_bytes_metric"), "no reclaim for the hog", "metrics")
+        self.check("with", hsubj, "audit: guard-relax for the hog", "present", "present" if "guard-relax" in hog["guard"]
+                   else f"absent ({hog['guard']})", "the guard still handles the crawl", "audit log",
+                   ok="guard-relax" in hog["guard"])
+        rows = [("memory.events high (reader)", a["high_events"], b["high_events"]),
+                ("samples at memory.high", a["share_at_high"], b["share_at_high"]),
+                ("memory.current max MiB", round((a["current_max"] or 0) / MI, 1), round((b["current_max"] or 0) / MI, 1)),
+                ("PSI some avg10 max / mean %", f"{a['some_avg10_max']} / {a['some_avg10_mean']}",
+                 f"{b['some_avg10_max']} / {b['some_avg10_mean']}"),
+                ("PSI full avg10 max / mean %", f"{a['full_avg10_max']} / {a['full_avg10_mean']}",
+                 f"{b['full_avg10_max']} / {b['full_avg10_mean']}"),
+                ("PSI some / full stall ms", f"{a['some_stall_ms']} / {a['full_stall_ms']}",
+                 f"{b['some_stall_ms']} / {b['full_stall_ms']}"),
+                ("reclaimed MiB (writes, eagain)", "0 (off)",
+                 f"{freed / MI:.1f} ({wi['metrics'].get('writes_ok')}, {wi['metrics'].get('writes_eagain')})"),
+                ("reader loops/s (2 MiB each)", a["loops_per_s"], b["loops_per_s"]),
+                ("refaults (file pages)", a["refault_file_delta"], b["refault_file_delta"]),
+                ("hog: reclaim writes / guard", f"{wo['hog']['reclaim_writes_audited']} / {wo['hog']['guard']}",
+                 f"{hog['reclaim_writes_audited']} / {hog['guard']}")]
+        self.data["table"] = [{"what": w, "without": x, "with": y} for w, x, y in rows]
+        self.note(f"{'':32} {'without':>22} {'with':>22}  ({self.MEASURE:g} s each, same boot)")
+        for w, x, y in rows:
+            self.note(f"{w:32} {str(x):>22} {str(y):>22}")
+
+    def teardown(self) -> None:
+        from shim.cri import api_pb2 as pb
+
+        self.stop_shim()
+        try:
+            for sb in self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items:
+                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id))
+                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id))
+        except Exception as e:  # noqa: BLE001
+            log(f"reclaim teardown: {e}")
+        remove_cgroup_tree("kubepods")
+        subprocess.run(["umount", self.data_dir], capture_output=True)
+        self.direct.close()
+
+
 def load_manifests(directory: str) -> dict:
     import yaml
 
@@ -1656,6 +2073,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--guard-cooldown", type=float, default=20.0, help="guard: the shim's --guard-cooldown")
     ap.add_argument("--guard-slack", type=float, default=3.0,
                     help="guard: seconds allowed beyond window + one interval for the guard to act")
+    ap.add_argument("--reclaim", action="store_true",
+                    help="run the proactive reclaim scenario (after the traces and the guard)")
     ap.add_argument("--manifests", default="")
     ap.add_argument("--driver", default="all", help="cgroupfs, systemd or all")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the reconciler gets to converge")
@@ -1717,8 +2136,21 @@ def main(argv: list[str]) -> int:
             finally:
                 guard.teardown()
                 report.save()
-        if not args.trace and not args.guard:
-            raise InfraError("nothing to run: no --trace and no --guard")
+        if args.reclaim:
+            rec = ReclaimScenario(args, report)
+            try:
+                rec.run()
+            except InfraError as e:
+                report.data["errors"].append(f"reclaim: {e}")
+                log(f"INFRA ERROR in reclaim: {e}")
+            except Exception:  # noqa: BLE001
+                report.data["errors"].append(f"reclaim: {traceback.format_exc()}")
+                log(f"ERROR in reclaim: {traceback.format_exc()}")
+            finally:
+                rec.teardown()
+                report.save()
+        if not args.trace and not args.guard and not args.reclaim:
+            raise InfraError("nothing to run: no --trace, no --guard, no --reclaim")
     except InfraError as e:
         report.data["errors"].append(str(e))
         log(f"INFRA ERROR: {e}")
