@@ -256,3 +256,21 @@ def test_refaults_back_off_through_the_monitor(tmp_path):
     assert len(kernel.writes) == 1
     recs = reclaim_records(records)
     assert recs[-1]["backoffs"] == 1 and "working set" in recs[-1]["backoff_reason"]
+
+
+def test_off_by_default_and_on_with_the_documented_defaults(tmp_path):
+    import argparse
+
+    from shim.config import OPTIONS, resolve
+    from shim.monitor import build_monitor, reclaim_config
+
+    ns = argparse.Namespace(config=None, **{o.name.replace("-", "_"): None for o in OPTIONS})
+    ns.cgroup_root, ns.guard_state = str(tmp_path), "none"
+    cfg = resolve(ns)
+    assert cfg.reclaim is False and reclaim_config(cfg) is None
+    kubelet = KubeletFacts(source="test", cgroup_driver="cgroupfs")
+    assert build_monitor(cfg, kubelet, lambda r: None).reclaim is None
+    ns.reclaim = "true"
+    on = reclaim_config(resolve(ns))
+    assert on == ReclaimConfig(max_gap=15.0)  # the decision's defaults, gap = 3 intervals of 5 s
+    assert build_monitor(resolve(ns), kubelet, lambda r: None).reclaim == on
