@@ -15,8 +15,10 @@ Started by scripts/e2e-vm with the checkout's .venv python. It
      crawls at memory.high; with --guard-action none it is still near memory.high after the
      guard's window, with relax its memory.high becomes max within window + one interval and it
      completes or is OOM-killed at memory.max;
+  3b. with --reclaim, the proactive reclaim scenario (ReclaimScenario): a page-cache reader
+     without and with --reclaim, one after the other and side by side, plus the anon hog;
   4. writes OUT/report-guest.json (every asserted file with expected and actual value; the
-     guard's timings under "guard") and the logs (containerd, shim, audit, cgroup snapshots,
+     guard's timings under "guard", the reclaim tables under "reclaim") and the logs (containerd, shim, audit, cgroup snapshots,
      guard-timeline.jsonl) under OUT/logs.
 
 Expected values come from e2e/expect.py (own arithmetic, not the shim's). Exit code:
