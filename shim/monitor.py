@@ -792,6 +792,8 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
     """The monitor `serve` runs (None with --monitor-interval 0)."""
     interval = getattr(cfg, "monitor_interval", 5.0)
     if not interval:
+        if getattr(cfg, "reclaim", False):
+            log.warning("--reclaim true has no effect with --monitor-interval 0: the monitor runs the reclaim")
         return None
     sources = []
     if container_qos is not None:
