@@ -1875,6 +1875,7 @@ class ReclaimScenario:
             time.sleep(self.POLL)
         metrics = scrape_metrics(self.metrics_address)
         audit = read_audit(self.shim.audit_log)
+        doctor = self.doctor(phase, reclaim)
         out = {"reader": {"id": reader["id"], **self.measure(reader)},
                "hog": {"id": hog["id"], "high_events": (hog["samples"][-1].get("events") or {}).get("high"),
                        "mib_end": hog["samples"][-1].get("hog_mib"), "done": hog["samples"][-1].get("hog_done"),
@@ -1887,6 +1888,7 @@ class ReclaimScenario:
             out[key]["reclaimed_bytes_metric"] = metric(metrics, "memqos_container_reclaimed_bytes_total",
                                                         container_id=pod["id"])
             out[key]["reclaim_writes_audited"] = sum(r.get("writes", 0) for r in out[key]["reclaim_records"])
+        out["doctor"] = doctor
         out["metrics"] = {k: metric(metrics, n, **lb) for k, n, lb in (
             ("writes_ok", "memqos_reclaim_writes_total", {"result": "ok"}),
             ("writes_eagain", "memqos_reclaim_writes_total", {"result": "eagain"}),
@@ -1921,6 +1923,20 @@ class ReclaimScenario:
         side = self.side_by_side(19472)
         self.compare(wo, wi, side)
         self.report.timing("reclaim:total", time.time() - t)
+
+    def doctor(self, phase: str, reclaim: bool) -> str:
+        """`memqos-shim doctor` with the running shim's settings: its proactive reclaim line on a
+        5.19+ kernel (memory.reclaim available; on or off as the shim runs)."""
+        r = self.shim.run_cli("doctor", *self.shim.args, timeout=300)
+        path = os.path.join(self.logs, f"reclaim-{phase}-doctor.txt")
+        with open(path, "w") as f:
+            f.write(r.stdout + r.stderr + f"\nexit code {r.returncode}\n")
+        line = next((x for x in r.stdout.splitlines() if "proactive reclaim" in x), "")
+        want = "PASS", ("on:" if reclaim else "off (--reclaim false"), "memory.reclaim available"
+        self.check(phase, "memqos-shim doctor", f"{path}: proactive reclaim", " ... ".join(want), line.strip() or "missing",
+                   "memory.reclaim exists in non-root cgroups on this 6.1 kernel", "doctor",
+                   ok=bool(line) and line.startswith("PASS") and all(w in line for w in want[1:]))
+        return line.strip()
 
     def side_by_side(self, port: int) -> dict:
         """Both readers at once under the same host load: one created through a shim with

@@ -561,15 +561,17 @@ class Doctor:
             f"memory.reclaim not available: {where}" + (" (kernel older than 5.19)" if old else ""))
         if not getattr(self.cfg, "reclaim", False):
             return Result(name, PASS, f"off (--reclaim false, the default); {avail}")
+        from shim.quantity import format_bytes
+
         c = self.cfg
-        desc = (f"on: within {c.reclaim_headroom:g}% (>= {c.reclaim_headroom_min} bytes) of memory.high, at most "
-                f"{c.reclaim_step} bytes per write and {c.reclaim_rate} bytes/s per container, while PSI some avg10 "
-                f"< {c.reclaim_psi_some:g}%; {avail}")
+        desc = (f"on: within {c.reclaim_headroom:g}% (at least {format_bytes(c.reclaim_headroom_min)}) of memory.high, "
+                f"at most {format_bytes(c.reclaim_step)} per write and {format_bytes(c.reclaim_rate)}/s per container, "
+                f"while PSI some avg10 < {c.reclaim_psi_some:g}%; {avail}")
         if not c.monitor_interval:
             return Result(name, WARN, desc, ["--monitor-interval 0: the monitor does not run, so neither does reclaim"])
         if path is None:
             return Result(name, WARN, desc, ["the shim will find no memory.reclaim, audit one reclaim-error and "
-                                             "stop reclaiming; needs a 5.19 or newer kernel"])
+                                             "stop reclaiming; memory.reclaim needs cgroup v2 and a 5.19 or newer kernel"])
         return Result(name, PASS, desc)
 
 
