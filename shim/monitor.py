@@ -449,7 +449,10 @@ class Monitor:
                 acted.append((ref, decision))
             reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
             if self.reclaim is not None:
-                self._reclaim(ref, rel, reading, files.get("memory.stat"), now)
+                try:
+                    self._reclaim(ref, rel, reading, files.get("memory.stat"), now)
+                except Exception:  # optional: must never take the guard's round down
+                    log.exception("reclaim: failed for %s", ref.label())
         for cid in resumed:
             if cid not in alive:
                 log.info("guard: the episode of container %s left by the previous shim is over: its cgroup is gone",
