@@ -1684,7 +1684,7 @@ class ReclaimScenario:
             r = run(*cmd)
             if r.returncode != 0 and cmd[0] != "modprobe":
                 raise InfraError(f"{' '.join(cmd)}: {r.stderr.strip()[-300:]}")
-        for phase in ("without", "with", "side-managed", "side-direct"):
+        for phase in ("without", "with", "side-managed", "side-direct", "thrash"):
             with open(os.path.join(self.data_dir, f"{phase}.img"), "wb") as f:
                 f.truncate(4 << 30)
         self.data["device"] = self.device
@@ -1718,7 +1718,7 @@ class ReclaimScenario:
             self.shim.kill(signal.SIGTERM)
 
     def create_pod(self, name: str, kind: str, phase: str, direct_high: int | None = None,
-                   data: str | None = None) -> dict:
+                   data: str | None = None, wrap: int | None = None) -> dict:
         """Through the shim; with ``direct_high`` straight to containerd (the shim never sees the
         container) with the memory.high the shim gave its twin."""
         import uuid
@@ -1748,8 +1748,9 @@ class ReclaimScenario:
         r = c.linux.resources
         if kind == "reader":
             c.image.image = "localhost/busybox:latest"
+            at = f"(i%{wrap})" if wrap else "i"
             script = (f"i=0; while :; do dd if=/data/{data or phase}.img of=/dev/null bs=1048576 count={self.CHUNK_MIB} "
-                      f"skip=$((i*{self.CHUNK_MIB})) 2>/dev/null; i=$((i+1)); echo \"reader: $i\"; "
+                      f"skip=$(({at}*{self.CHUNK_MIB})) 2>/dev/null; i=$((i+1)); echo \"reader: $i\"; "
                       f"usleep {self.SLEEP_US}; done")
             c.command.extend(["sh", "-c", script])
             c.mounts.append(pb.Mount(container_path="/data", host_path=self.data_dir, readonly=True))
@@ -1922,6 +1923,7 @@ class ReclaimScenario:
         wi = self.phase("with", True, 19471)
         side = self.side_by_side(19472)
         self.compare(wo, wi, side)
+        self.thrash()
         self.report.timing("reclaim:total", time.time() - t)
 
     def doctor(self, phase: str, reclaim: bool) -> str:
@@ -1976,9 +1978,66 @@ class ReclaimScenario:
                 self.remove_pod(p)
             except Exception as e:  # noqa: BLE001
                 log(f"reclaim: removing {p['name']}: {e}")
-        self.stop_shim()
-        self.data["phases"]["side"] = out
+        self.data["phases"]["side"] = out  # its shim stays for the thrash phase
         return out
+
+    THRASH_CHUNKS = 60  # the thrashing reader cycles through 60 x 2 MiB = 120 MiB > memory.high
+
+    def thrash(self) -> None:
+        """The refault back-off on the real kernel: a reader cycling through 120 MiB (more than its
+        memory.high) re-reads what was evicted -- its cache is its working set. On the side phase's
+        shim (--reclaim true): reclaim runs until refaults grow, then backs off and writes nothing
+        while backing off. /metrics is scraped every 2 s for the timing."""
+        phase = "thrash"
+        self.drop_caches()
+        base = scrape_metrics(self.metrics_address)
+        b0 = metric(base, "memqos_reclaim_backoffs_total") or 0.0
+        pod = self.create_pod("reclaim-thrash-reader", "reader", phase, wrap=self.THRASH_CHUNKS)
+        series: list[dict] = []
+        end, last = time.time() + self.MEASURE, 0.0
+        while time.time() < end:
+            self.sample(pod, phase)
+            if time.time() - last >= 2.0:
+                last = time.time()
+                m = scrape_metrics(self.metrics_address)
+                series.append({"t": round(last - pod["t_start"], 2),
+                               "reclaimed": metric(m, "memqos_container_reclaimed_bytes_total", container_id=pod["id"]),
+                               "backoffs": (metric(m, "memqos_reclaim_backoffs_total") or 0.0) - b0})
+            time.sleep(self.POLL)
+        audit = [r for r in read_audit(self.shim.audit_log) if r.get("container_id") == pod["id"]]
+        recs = [r for r in audit if r.get("event") == "reclaim"]
+        meas = self.measure(pod)
+        first = next((s for s in series if s["backoffs"] >= 1), None)
+        end_bytes = series[-1]["reclaimed"] if series else None
+        subj = f"thrashing reader (cycles through {self.THRASH_CHUNKS * self.CHUNK_MIB} MiB, memory.high 96 MiB)"
+        self.check(phase, subj, "memory.stat workingset_refault_file over the phase", "> 0",
+                   meas["refault_file_delta"], "it re-reads what was evicted: its cache is its working set",
+                   ok=(meas["refault_file_delta"] or 0) > 0)
+        self.check(phase, subj, f"http://{self.metrics_address}/metrics memqos_reclaim_backoffs_total (phase)", ">= 1",
+                   series[-1]["backoffs"] if series else None, "refaults grew: back off", "metrics",
+                   ok=bool(series) and series[-1]["backoffs"] >= 1)
+        reason = next((r.get("backoff_reason") for r in recs if r.get("backoffs")), None)
+        self.check(phase, subj, f"{self.shim.audit_log}: reclaim record backoff_reason",
+                   "refaults: '... working set ...' (or PSI after the shim's reclaim)", reason,
+                   "audited with the reason", "audit log",
+                   ok=bool(reason) and ("working set" in reason or "after the shim's reclaim" in reason))
+        self.check(phase, subj, "memqos_container_reclaimed_bytes_total: end of phase", f"== at the first back-off "
+                   f"({first and first['reclaimed']})", end_bytes, "no write while backing off", "metrics",
+                   ok=first is not None and end_bytes == first["reclaimed"])
+        out = {"id": pod["id"], **meas, "metrics_series": series, "reclaim_records": recs,
+               "first_backoff_t": first and first["t"], "reclaimed_at_first_backoff": first and first["reclaimed"],
+               "reclaimed_end": end_bytes, "backoff_reason": reason}
+        self.data["phases"]["thrash"] = out
+        try:
+            self.remove_pod(pod)
+        except Exception as e:  # noqa: BLE001
+            log(f"reclaim: removing {pod['name']}: {e}")
+        self.stop_shim()
+        self.note(f"thrash (cycling through {self.THRASH_CHUNKS * self.CHUNK_MIB} MiB): refaults "
+                  f"{meas['refault_file_delta']} file pages; first back-off at t+{out['first_backoff_t']}s after "
+                  f"{(out['reclaimed_at_first_backoff'] or 0) / MI:.1f} MiB reclaimed, "
+                  f"{(end_bytes or 0) / MI:.1f} MiB at the end; memory.events high {meas['high_events']}, PSI some "
+                  f"avg10 max {meas['some_avg10_max']}%; reason: {reason}")
 
     def compare(self, wo: dict, wi: dict, side: dict) -> None:
         step = "without vs with reclaim"
