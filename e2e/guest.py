@@ -1595,7 +1595,11 @@ class ReclaimScenario:
 
     * without: shim --reclaim false (monitor every second, guard relax, window 10 s);
     * with: a new shim with --reclaim true (its defaults), the same pods on a fresh file
-      (caches dropped between the phases).
+      (caches dropped between the phases);
+    * side by side: both readers at once, one through a shim with --reclaim true
+      --reconcile false, its twin straight through containerd with the same memory.high;
+    * thrash: on that shim, a reader cycling through 120 MiB (> memory.high): refaults grow, the
+      shim backs off and writes nothing more while backing off.
 
     Each phase is measured over the same MEASURE seconds from StartContainer: memory.events
     high of the reader, PSI some/full (avg10 max and mean, stall time from the totals), its
