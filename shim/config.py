@@ -286,6 +286,27 @@ OPTIONS: tuple[Option, ...] = (
            "file that keeps the guard's open episodes (relaxed containers and the memory.high to restore) so a "
            "restarted shim resumes them; 'auto': guard-episodes.json next to the --listen socket; 'none': in "
            "memory only (a restart leaves relaxed containers at max)", "FILE"),
+    Option("reclaim", False, _bool,
+           "proactive reclaim: write to a Burstable container's memory.reclaim (kernel >= 5.19) from the monitor "
+           "when memory.current comes within the headroom of memory.high, so that its clean page cache is "
+           "reclaimed before the kernel throttles it at memory.high; needs --monitor-interval > 0"),
+    Option("reclaim-headroom", 10.0, _percent,
+           "reclaim once memory.current is within this percentage of memory.high (down to memory.high minus "
+           "1.5 x the headroom)", "PCT"),
+    Option("reclaim-headroom-min", 8 * 1024 * 1024, _quantity, "the headroom is at least this (quantity)", "Q"),
+    Option("reclaim-step", 32 * 1024 * 1024, _quantity, "at most this much per memory.reclaim write (quantity)", "Q"),
+    Option("reclaim-rate", 16 * 1024 * 1024, _quantity,
+           "at most this much reclaim asked per second and container (quantity; up to 5 s of it saved up)", "Q"),
+    Option("reclaim-psi-some", 10.0, _percent,
+           "reclaim only while the container's memory.pressure 'some' avg10 is below this percentage; above it "
+           "right after a reclaim, back off", "PCT"),
+    Option("reclaim-refault-tolerance", 1024 * 1024, _quantity,
+           "back off when the container's refaults (memory.stat workingset_refault_*) grow by more than this "
+           "between two samples: the cache being reclaimed is its working set (quantity)", "Q"),
+    Option("reclaim-backoff", 60.0, _positive_float,
+           "seconds without reclaim for a container after pressure, refaults or an EAGAIN that freed nothing", "S"),
+    Option("reclaim-audit-interval", 60.0, _positive_float,
+           "at most one 'reclaim' audit record per container per this many seconds (sums of the writes)", "S"),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
 

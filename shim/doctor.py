@@ -25,6 +25,7 @@ KUBELET_UNIT_DIRS = ("/etc/systemd/system/kubelet.service.d", "/usr/lib/systemd/
 _ENDPOINT_FLAG = re.compile(r"--container-runtime-endpoint(?:=|\s+)[\"']?([^\s\"']+)")
 MIN_KERNEL_WARN = (5, 9)
 MIN_KERNEL_FAIL = (4, 5)  # memory.high, memory.min's sibling memory.low: cgroup v2 memory controller
+MIN_KERNEL_RECLAIM = (5, 19)  # memory.reclaim
 
 
 @dataclass
@@ -122,7 +123,7 @@ class Doctor:
 
     CHECKS = ("check_kernel", "check_psi", "check_cgroup_v2", "check_memory_controller", "check_kubelet_config",
               "check_kubelet_endpoint", "check_upstream", "check_socket", "check_audit_log", "check_guard",
-              "check_metrics")
+              "check_metrics", "check_reclaim")
 
     def run(self) -> list[Result]:
         out: list[Result] = []
@@ -553,6 +554,54 @@ class Doctor:
         if not is_loopback(host):
             return Result("metrics", WARN, f"{addr}: reachable from the network; the series name pods and containers")
         return Result("metrics", PASS, f"http://{addr}/metrics (loopback only)")
+
+
+    def reclaim_file(self) -> tuple[str | None, str]:
+        """(a memory.reclaim found in a non-root cgroup, or None; where it looked)."""
+        from shim.node import is_cgroup_v2
+
+        root = self.cfg.cgroup_root
+        if not is_cgroup_v2(root):
+            return None, f"{root} is not cgroup v2"
+        places = []
+        try:
+            on_disk, driver = self._driver()
+            from shim.effects.layout import CgroupLayout
+
+            places.append(CgroupLayout(driver, self.kubelet.cgroup_root).kubepods)
+        except Exception:  # noqa: BLE001 -- any non-root cgroup will do
+            pass
+        try:
+            places += sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))
+        except OSError:
+            pass
+        for rel in places:
+            path = os.path.join(root, rel, "memory.reclaim")
+            if os.path.isfile(path):
+                return path, rel
+        return None, f"no non-root cgroup under {root} has memory.reclaim" if places else f"no cgroup below {root}"
+
+    def check_reclaim(self) -> Result:
+        name = "proactive reclaim"
+        path, where = self.reclaim_file()
+        v = kernel_version(self.env.kernel_release())
+        old = v is not None and v < MIN_KERNEL_RECLAIM
+        avail = f"memory.reclaim available ({path})" if path else (
+            f"memory.reclaim not available: {where}" + (" (kernel older than 5.19)" if old else ""))
+        if not getattr(self.cfg, "reclaim", False):
+            return Result(name, PASS, f"off (--reclaim false, the default); {avail}")
+        from shim.quantity import format_bytes
+
+        c = self.cfg
+        desc = (f"on: within {c.reclaim_headroom:g}% (at least {format_bytes(c.reclaim_headroom_min)}) of memory.high, "
+                f"at most {format_bytes(c.reclaim_step)} per write and {format_bytes(c.reclaim_rate)}/s per container, "
+                f"while PSI some avg10 < {c.reclaim_psi_some:g}%; {avail}")
+        if not c.monitor_interval:
+            return Result(name, WARN, desc, ["--monitor-interval 0: the monitor does not run, so neither does reclaim"])
+        if path is None:
+            return Result(name, WARN, desc, ["the shim will find no memory.reclaim, audit one reclaim-error and "
+                                             "stop reclaiming; memory.reclaim needs cgroup v2 and a 5.19 or newer kernel"])
+        return Result(name, PASS, desc)
 
 
 # -- command -------------------------------------------------------------------------------

@@ -184,6 +184,39 @@ class _LiveCollector:
         g = GaugeMetricFamily("memqos_guard_relaxed_containers", "containers whose memory.high the guard holds at max")
         g.add_metric([], float(n_relaxed))
         yield g
+        if getattr(mon, "reclaim", None) is not None:
+            yield from self._reclaim(mon, snap)
+
+    @staticmethod
+    def _reclaim(mon, snap):
+        """Proactive reclaim (only with --reclaim true): the monitor's running totals."""
+        tot = dict(mon.reclaim_totals)
+        c = CounterMetricFamily("memqos_reclaim_writes", "writes to memory.reclaim by outcome (eagain: the kernel "
+                                "reclaimed less than asked; error: the write failed)", labels=("result",))
+        c.add_metric(["ok"], float(tot["writes"] - tot["eagain"]))
+        c.add_metric(["eagain"], float(tot["eagain"]))
+        c.add_metric(["error"], float(tot["errors"]))
+        yield c
+        for name, key, doc in (
+                ("memqos_reclaim_asked_bytes", "asked_bytes", "bytes written to memory.reclaim (asked)"),
+                ("memqos_reclaim_freed_bytes", "freed_bytes",
+                 "bytes reclaimed: memory.current before minus after each write (a lower bound)"),
+                ("memqos_reclaim_backoffs", "backoffs", "reclaim back-offs (pressure after reclaim, refaults, "
+                 "fruitless EAGAIN)"),
+                ("memqos_reclaim_stalls_avoided", "stalls_avoided",
+                 "monitor intervals right after a reclaim write in which the container's memory.events high did "
+                 "not grow (the kernel did not have to reclaim at memory.high in that interval)"),
+                ("memqos_reclaim_high_events_while_active", "high_events_while_active",
+                 "memory.events high increments in the interval right after a reclaim write")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(tot[key]))
+            yield c
+        per = CounterMetricFamily("memqos_container_reclaimed_bytes", "bytes proactive reclaim freed in this container",
+                                  labels=CONTAINER_LABELS)
+        for r in snap.readings:
+            if r.reclaimed is not None:
+                per.add_metric([r.ref.namespace, r.ref.pod, r.ref.container, r.ref.id], float(r.reclaimed))
+        yield per
 
 
 class Metrics:
@@ -217,6 +250,7 @@ class Metrics:
             self.guard_actions.labels(a)
         self.info = Gauge("memqos_guard_config", "the guard's settings (value 1)",
                           ("action", "threshold_percent", "window_seconds", "cooldown_seconds"), registry=r)
+        self.reclaim_info = None  # memqos_reclaim_config, registered only with --reclaim true
         self.audit = None
         self.monitor = None
         self.reconciler = None
@@ -235,6 +269,15 @@ class Metrics:
             self.monitor = monitor
             g = monitor.guard
             self.info.labels(g.action.value, f"{g.threshold:g}", f"{g.window:g}", f"{g.cooldown:g}").set(1)
+            rc = getattr(monitor, "reclaim", None)
+            if rc is not None:
+                self.reclaim_info = Gauge(
+                    "memqos_reclaim_config", "proactive reclaim's settings (value 1)",
+                    ("headroom_percent", "headroom_min_bytes", "step_bytes", "rate_bytes", "psi_some_percent",
+                     "backoff_seconds"), registry=self.registry)
+                self.reclaim_info.labels(f"{rc.headroom_fraction * 100:g}", str(rc.headroom_min_bytes),
+                                         str(rc.step_bytes), str(rc.rate_bytes), f"{rc.psi_some_target:g}",
+                                         f"{rc.backoff:g}").set(1)
         if reconciler is not None:
             self.reconciler = reconciler
         return self
@@ -256,6 +299,10 @@ class Metrics:
             self.cgroup_writes.labels(str(record.get("level", "")), str(record.get("file", ""))).inc()
         elif event == "cgroup-refused":
             self.cgroup_refusals.labels(str(record.get("by", "reconciler"))).inc()
+        elif event == "reclaim":
+            writes = record.get("writes")
+            if isinstance(writes, int) and writes > 0:
+                self.cgroup_writes.labels("container", "memory.reclaim").inc(writes)
         elif event == "reconciler-error":
             self.reconciler_errors.inc()
         elif isinstance(event, str) and event.startswith("guard-"):

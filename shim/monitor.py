@@ -21,6 +21,13 @@ file must still hold what the decision saw.
 Each guard action is an audit record (``guard-relax``, ``guard-restore``, ``guard-report``,
 ``guard-clear``, ``guard-released``, ``guard-error``); the metrics count them from the audit
 stream.
+
+Proactive reclaim (``--reclaim true``; off by default): the monitor also reads memory.stat and
+runs shim.decision.reclaim on each container's samples; a RECLAIM verdict is a write of a byte
+count to the container's memory.reclaim (the same validated walk). Writes are audited in sums,
+one ``reclaim`` record per container at most every ``reclaim_audit_interval`` seconds (the
+first write of a quiet container at once). With reclaim off nothing of this runs: the same
+files are read as before, nothing more is written or audited.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
+from shim.decision import reclaim as rc
 from shim.decision.guard import (
     RELAXED,
     WATCH,
@@ -44,7 +52,7 @@ from shim.decision.guard import (
     decide,
     history_needed,
 )
-from shim.effects.cgroupfs import CgroupTree, PathRefused, split_path
+from shim.effects.cgroupfs import CgroupTree, PathRefused, ReclaimUnsupported, split_path
 from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
 from shim.guard_episodes import REF_FIELDS, Episode, EpisodeFile
 from shim.node import KubeletFacts, is_cgroup_v2
@@ -53,10 +61,12 @@ log = logging.getLogger(__name__)
 
 READ_FILES = ("memory.current", "memory.min", "memory.low", "memory.high", "memory.max",
               "memory.events", "memory.pressure")
+RECLAIM_READ_FILES = READ_FILES + ("memory.stat",)  # what the monitor reads with reclaim on
 WRITE_FILES = frozenset({"memory.high"})
 EVENTS = ("low", "high", "max", "oom", "oom_kill")
 _ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
 _MAX_READ = 4096
+_MAX_READ_STAT = 16384  # memory.stat: ~50 lines on 6.x kernels
 
 
 # -- parsing ---------------------------------------------------------------------------
@@ -123,7 +133,7 @@ class ContainerCgroups(CgroupTree):
         out: dict[str, str | None] = {}
         try:
             for name in files:
-                if name not in READ_FILES:
+                if name not in RECLAIM_READ_FILES:
                     raise PathRefused(f"{name!r} is not a file the monitor reads")
                 try:
                     fd = self._open_file(dfd, name, os.O_RDONLY)
@@ -131,7 +141,8 @@ class ContainerCgroups(CgroupTree):
                     out[name] = None
                     continue
                 try:
-                    out[name] = os.read(fd, _MAX_READ).decode("ascii", "replace")
+                    out[name] = os.read(fd, _MAX_READ_STAT if name == "memory.stat" else _MAX_READ).decode(
+                        "ascii", "replace")
                 except OSError:  # e.g. EOPNOTSUPP: memory.pressure with PSI disabled
                     out[name] = None
                 finally:
@@ -215,6 +226,7 @@ class Reading:
     events: dict[str, int] = field(default_factory=dict)
     pressure: dict[str, dict[str, float]] = field(default_factory=dict)
     relaxed: bool = False
+    reclaimed: int | None = None  # bytes memory.reclaim freed so far (None: reclaim off)
 
 
 @dataclass
@@ -254,6 +266,9 @@ class Monitor:
         reconciler=None,
         clock: Callable[[], float] = time.monotonic,
         episodes: EpisodeFile | None = None,
+        reclaim: rc.ReclaimConfig | None = None,
+        reclaim_audit_interval: float = 60.0,
+        page_size: int | None = None,
     ):
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
@@ -282,6 +297,19 @@ class Monitor:
         self.episodes = episodes
         self._resumed: dict[str, ContainerRef] | None = None  # loaded at the first round
         self._saved: tuple = ()
+        # proactive reclaim (None: off; then nothing below is used)
+        self.reclaim = reclaim
+        self.reclaim_audit_interval = reclaim_audit_interval
+        self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
+        self._rc_hist: dict[str, collections.deque[rc.Sample]] = {}
+        self._rc_states: dict[str, rc.ReclaimState] = {}
+        self._rc_acc: dict[str, dict] = {}  # container id -> sums since its last record
+        self._rc_emitted: dict[str, float] = {}  # container id -> when its last record was emitted
+        self._rc_pending: dict[str, int] = {}  # container id -> memory.events high at its last write
+        self._rc_freed: dict[str, int] = {}  # container id -> bytes freed so far
+        self._rc_unsupported: str | None = None
+        self.reclaim_totals = {"writes": 0, "eagain": 0, "errors": 0, "asked_bytes": 0, "freed_bytes": 0,
+                               "backoffs": 0, "stalls_avoided": 0, "high_events_while_active": 0}
 
     # -- lifecycle
     def start(self) -> "Monitor":
@@ -403,7 +431,7 @@ class Monitor:
             if rel is None:
                 continue
             try:
-                files = self.fs.read_files(rel)
+                files = self.fs.read_files(rel) if self.reclaim is None else self.fs.read_files(rel, RECLAIM_READ_FILES)
             except FileNotFoundError:  # the container's cgroup went away
                 self._paths.pop(ref.id, None)
                 continue
@@ -420,6 +448,11 @@ class Monitor:
             if decision is not None:
                 acted.append((ref, decision))
             reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
+            if self.reclaim is not None:
+                try:
+                    self._reclaim(ref, rel, reading, files.get("memory.stat"), now)
+                except Exception:  # optional: must never take the guard's round down
+                    log.exception("reclaim: failed for %s", ref.label())
         for cid in resumed:
             if cid not in alive:
                 log.info("guard: the episode of container %s left by the previous shim is over: its cgroup is gone",
@@ -428,6 +461,8 @@ class Monitor:
             for cid in [c for c in set(self._history) | set(self._states) if c not in alive]:
                 self._history.pop(cid, None)
                 self._states.pop(cid, None)
+            if self.reclaim is not None:
+                self._reclaim_forget(alive, now)
             self._last_ref = {r.id: r for r in refs
                               if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
             self._save_episodes()
@@ -569,6 +604,119 @@ class Monitor:
         self._emit(record)
         return d
 
+    # -- proactive reclaim
+    def _reclaim(self, ref: ContainerRef, rel: str, r: Reading, stat_text: str | None, now: float) -> None:
+        cfg = self.reclaim
+        cid = ref.id
+        stat = parse_flat_keyed(stat_text) if stat_text is not None else None
+        if stat is not None:
+            for k in ("workingset_refault_file", "workingset_refault_anon"):
+                if k in stat:  # counted in pages
+                    stat[k] *= self.page_size
+        high_events = r.events.get("high")
+        # "stalls avoided": the interval after a write in which memory.events high did not grow
+        if cid in self._rc_pending and high_events is not None:
+            grew = high_events - self._rc_pending.pop(cid)
+            acc = self._rc_acc.setdefault(cid, _new_acc(now))
+            if grew <= 0:
+                self.reclaim_totals["stalls_avoided"] += 1
+                acc["stalls_avoided"] += 1
+            else:
+                self.reclaim_totals["high_events_while_active"] += grew
+                acc["high_events_while_active"] += grew
+        r.reclaimed = self._rc_freed.get(cid, 0)
+        sample = rc.Sample(t=now, current=r.current, high=r.high, min=r.min, low=r.low,
+                           some_avg10=r.pressure.get("some", {}).get("avg10"),
+                           full_avg10=r.pressure.get("full", {}).get("avg10"), stat=stat, qos=ref.qos)
+        hist = self._rc_hist.get(cid)
+        if hist is None:
+            hist = self._rc_hist[cid] = collections.deque(maxlen=rc.history_needed(cfg))
+        hist.append(sample)
+        if self._rc_unsupported is None:
+            state = self._rc_states.get(cid, rc.ReclaimState())
+            d = rc.decide(list(hist), cfg, state)
+            self._rc_states[cid] = d.state
+            if d.backoff:
+                self.reclaim_totals["backoffs"] += 1
+                acc = self._rc_acc.setdefault(cid, _new_acc(now))
+                acc["backoffs"] += 1
+                acc["backoff_reason"] = d.reason
+                log.info("reclaim: %s (%s): %s", ref.label(), cid[:12], d.reason)
+            if d.verdict is rc.Verdict.RECLAIM:
+                self._reclaim_write(ref, rel, r, sample, d, now)
+        acc = self._rc_acc.get(cid)
+        if acc is not None and (acc["writes"] or acc["backoffs"] or acc["errors"]):
+            last = self._rc_emitted.get(cid)
+            if last is None or now - last >= self.reclaim_audit_interval:
+                self._rc_emit(ref, rel, r, sample, now)
+
+    def _reclaim_write(self, ref: ContainerRef, rel: str, r: Reading, sample, d, now: float) -> None:
+        cid = ref.id
+        acc = self._rc_acc.setdefault(cid, _new_acc(now))
+        try:
+            out = self.fs.reclaim(rel, d.bytes)
+        except FileNotFoundError:  # the cgroup went away meanwhile
+            return
+        except ReclaimUnsupported as e:
+            self._rc_unsupported = str(e)
+            log.warning("reclaim: %s; proactive reclaim is off for this shim", e)
+            self._emit({"event": "reclaim-error", "container_id": cid, "pod": f"{ref.namespace}/{ref.pod}",
+                        "container": ref.container, "path": self.fs.abspath(rel), "file": "memory.reclaim",
+                        "error": str(e)[:500], "reclaim_disabled": True})
+            return
+        except (OSError, ValueError, PathRefused) as e:
+            self.reclaim_totals["errors"] += 1
+            acc["errors"] += 1
+            acc["error"] = f"{e.__class__.__name__}: {e}"[:500]
+            self._error(f"reclaim/{cid}", f"writing {d.bytes} to {self.fs.abspath(rel, 'memory.reclaim')}: {e}")
+            return
+        freed = out.freed
+        self._rc_states[cid] = rc.after_write(self._rc_states[cid], now, d.bytes, freed, out.eagain, self.reclaim)
+        tot = self.reclaim_totals
+        tot["writes"] += 1
+        tot["eagain"] += out.eagain
+        tot["asked_bytes"] += d.bytes
+        tot["freed_bytes"] += freed
+        self._rc_freed[cid] = self._rc_freed.get(cid, 0) + freed
+        r.reclaimed = self._rc_freed[cid]
+        acc["writes"] += 1
+        acc["eagain"] += out.eagain
+        acc["asked_bytes"] += d.bytes
+        acc["freed_bytes"] += freed
+        acc["reason"] = d.reason
+        if r.events.get("high") is not None:
+            self._rc_pending[cid] = r.events["high"]
+        if out.after is not None:
+            r.current = out.after
+        log.debug("reclaim: %s asked %d, freed %d%s: %s", ref.label(), d.bytes, freed,
+                  " (EAGAIN)" if out.eagain else "", d.reason)
+
+    def _rc_emit(self, ref: ContainerRef | None, rel: str | None, r: Reading | None, sample, now: float,
+                 cid: str | None = None) -> None:
+        cid = cid or ref.id
+        acc = self._rc_acc.pop(cid, None)
+        if not acc:
+            return
+        self._rc_emitted[cid] = now
+        record = {"event": "reclaim", "container_id": cid, "file": "memory.reclaim",
+                  "period_s": round(now - acc["since"], 3), **{k: v for k, v in acc.items() if k != "since"}}
+        if ref is not None:
+            record.update(pod=f"{ref.namespace}/{ref.pod}", pod_uid=ref.uid, container=ref.container,
+                          path=self.fs.abspath(rel))
+        if r is not None:
+            record.update(memory_current=r.current, memory_high="max" if r.high is None else r.high,
+                          some_avg10=sample.some_avg10, full_avg10=sample.full_avg10,
+                          reclaimed_total_bytes=self._rc_freed.get(cid, 0))
+        self._emit(record)
+
+    def _reclaim_forget(self, alive: set[str], now: float) -> None:
+        for cid in [c for c in set(self._rc_hist) | set(self._rc_acc) | set(self._rc_emitted) if c not in alive]:
+            if self._rc_acc.get(cid):
+                self._rc_emit(None, None, None, None, now, cid=cid)
+            for d in (self._rc_hist, self._rc_states, self._rc_acc, self._rc_emitted, self._rc_pending,
+                      self._rc_freed):
+                d.pop(cid, None)
+
     # -- reconciler lag
     def _probe_reconciler(self) -> None:
         """Measure how long the reconciler takes to work through what is queued: a probe put
@@ -619,11 +767,36 @@ def guard_config(cfg) -> GuardConfig:
     )
 
 
+def _new_acc(now: float) -> dict:
+    return {"since": now, "writes": 0, "eagain": 0, "errors": 0, "asked_bytes": 0, "freed_bytes": 0,
+            "backoffs": 0, "stalls_avoided": 0, "high_events_while_active": 0}
+
+
+def reclaim_config(cfg) -> rc.ReclaimConfig | None:
+    """--reclaim and its settings (None: off, the default)."""
+    if not getattr(cfg, "reclaim", False):
+        return None
+    interval = getattr(cfg, "monitor_interval", 5.0) or 5.0
+    d = rc.ReclaimConfig()
+    return rc.ReclaimConfig(
+        headroom_fraction=getattr(cfg, "reclaim_headroom", d.headroom_fraction * 100) / 100.0,
+        headroom_min_bytes=getattr(cfg, "reclaim_headroom_min", d.headroom_min_bytes),
+        step_bytes=getattr(cfg, "reclaim_step", d.step_bytes),
+        rate_bytes=getattr(cfg, "reclaim_rate", d.rate_bytes),
+        psi_some_target=getattr(cfg, "reclaim_psi_some", d.psi_some_target),
+        refault_tolerance_bytes=getattr(cfg, "reclaim_refault_tolerance", d.refault_tolerance_bytes),
+        backoff=getattr(cfg, "reclaim_backoff", d.backoff),
+        max_gap=max(3 * interval, 15.0),
+    )
+
+
 def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, container_qos=None,
                   reconciler=None) -> Monitor | None:
     """The monitor `serve` runs (None with --monitor-interval 0)."""
     interval = getattr(cfg, "monitor_interval", 5.0)
     if not interval:
+        if getattr(cfg, "reclaim", False):
+            log.warning("--reclaim true has no effect with --monitor-interval 0: the monitor runs the reclaim")
         return None
     sources = []
     if container_qos is not None:
@@ -639,7 +812,9 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
                     owners.reasons["container memory.high"])
         guard = replace(guard, action=GuardAction.NONE)
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
-                   emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg))
+                   emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
+                   reclaim=reclaim_config(cfg),
+                   reclaim_audit_interval=getattr(cfg, "reclaim_audit_interval", 60.0))
 
 
 def episode_file(cfg) -> EpisodeFile | None:

@@ -316,3 +316,23 @@ def test_guard_episodes_are_listed_and_a_forged_file_warns(node):
     assert r.verdict == WARN and "writable by others" in r.details[0]
     r = doctor_for(node, fake_proc(node), guard_state="none")["memory.high guard"]
     assert r.verdict == PASS and "memory only" in r.details[0]
+
+
+def test_reclaim_check_reports_availability_and_the_setting(node):
+    """memory.reclaim exists in non-root cgroups on 5.19+: doctor says whether it does and
+    whether --reclaim is on; never a FAIL (reclaim is optional)."""
+    root = node / "cg"
+    e = env(fake_proc(node), "6.1.0-56-amd64")
+    base = dict(cgroup_root=str(root), kubelet_config="none")
+    r = Doctor(cfg(**base), e).check_reclaim()
+    assert r.verdict == PASS and "off" in r.summary and "not available" in r.summary
+    (root / "kubepods").mkdir(exist_ok=True)
+    (root / "kubepods" / "memory.reclaim").write_text("")
+    r = Doctor(cfg(**base), e).check_reclaim()
+    assert r.verdict == PASS and "off" in r.summary and "memory.reclaim available" in r.summary
+    r = Doctor(cfg(reclaim="true", **base), e).check_reclaim()
+    assert r.verdict == PASS and r.summary.startswith("on:")
+    assert Doctor(cfg(reclaim="true", monitor_interval="0", **base), e).check_reclaim().verdict == WARN
+    (root / "kubepods" / "memory.reclaim").unlink()
+    r = Doctor(cfg(reclaim="true", **base), env(fake_proc(node), "5.10.0-1-amd64")).check_reclaim()
+    assert r.verdict == WARN and "older than 5.19" in r.summary

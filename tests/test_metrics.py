@@ -415,7 +415,8 @@ def test_serve_metrics_endpoint_end_to_end(tmp_path):
             # calm and small again: restored after the cool-down
             write_cgroup(cdir, current=10 * MI, min=64 * MI, high="max", max=256 * MI,
                          pressure=pressure_text(0.0, 0.0))
-            while (cdir / "memory.high").read_text() == "max\n" and time.monotonic() < deadline:
+            # (wait for the value itself: the guard's write truncates the file first, so a read can see "")
+            while (cdir / "memory.high").read_text() != f"{high}\n" and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert (cdir / "memory.high").read_text() == f"{high}\n"
             events = [json.loads(x).get("event") for x in shim.audit.read_text().splitlines()]

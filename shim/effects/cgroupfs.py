@@ -10,6 +10,9 @@ means the cgroup does not exist.
 ``write()`` reads the file first and writes only when the value differs; each write is
 appended to ``writes`` (in order, what tests assert) and handed to ``emit`` as an audit
 record ``{"event": "cgroup-write", "path", "file", "old", "new", "why", ...}``.
+
+``reclaim()`` writes a byte count to the write-only memory.reclaim (proactive reclaim,
+kernel >= 5.19) through the same walk; the monitor audits those writes itself, in sums.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 MANAGED_FILES = ("memory.min", "memory.low")
+RECLAIM_FILE = "memory.reclaim"  # write-only, kernel >= 5.19
 # A cgroup directory name: what kubelet, systemd and runtimes produce (no '/', no NUL).
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.:@+-]{1,255}$")
 _MAX_DEPTH = 32
@@ -31,6 +35,28 @@ _MAX_DEPTH = 32
 
 class PathRefused(ValueError):
     """A cgroup path that must not be written: outside the allowed tree, a symlink, ``..``."""
+
+
+class ReclaimUnsupported(Exception):
+    """The cgroup exists but has no memory.reclaim (kernel older than 5.19)."""
+
+
+@dataclass(frozen=True)
+class ReclaimOutcome:
+    """One write to memory.reclaim. ``eagain``: the kernel reclaimed less than asked (it
+    still reclaimed what it could). Freed bytes are measured as memory.current before minus
+    after (the container may allocate meanwhile: a lower bound of what reclaim took)."""
+
+    asked: int
+    before: int | None
+    after: int | None
+    eagain: bool
+
+    @property
+    def freed(self) -> int:
+        if self.before is None or self.after is None:
+            return 0
+        return max(0, self.before - self.after)
 
 
 @dataclass(frozen=True)
@@ -154,6 +180,53 @@ class CgroupTree:
             finally:
                 os.close(wfd)
         return old
+
+    def reclaim(self, rel: str, nbytes: int) -> ReclaimOutcome:
+        """Ask the kernel to reclaim ``nbytes`` from cgroup ``rel`` through memory.reclaim
+        (the path validated like every other write: inside the allowed subtrees, no symlink).
+        memory.current is read before and after through the same directory fd. EAGAIN is an
+        outcome (partial reclaim), not an error. FileNotFoundError when the cgroup is gone,
+        ReclaimUnsupported when it has no memory.reclaim; other OSErrors pass through."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ValueError(f"bad reclaim size {nbytes!r}")
+        dfd = self._open_dir(self.check(rel))
+        try:
+            before = self._read_int(dfd, "memory.current")
+            try:
+                fd = self._open_file(dfd, RECLAIM_FILE, os.O_WRONLY)
+            except FileNotFoundError:
+                raise ReclaimUnsupported(f"{self.abspath(rel, RECLAIM_FILE)} does not exist (kernel < 5.19?)") from None
+            eagain = False
+            try:
+                self._write_value(fd, f"{nbytes}\n")
+            except OSError as e:
+                if e.errno != errno.EAGAIN:
+                    raise
+                eagain = True
+            finally:
+                os.close(fd)
+            after = self._read_int(dfd, "memory.current")
+        finally:
+            os.close(dfd)
+        return ReclaimOutcome(nbytes, before, after, eagain)
+
+    def _read_int(self, dfd: int, name: str) -> int | None:
+        try:
+            fd = self._open_file(dfd, name, os.O_RDONLY)
+        except (OSError, PathRefused):
+            return None
+        try:
+            text = os.read(fd, 64).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return int(text) if text.isascii() and text.isdigit() else None
+
+    @staticmethod
+    def _write_value(fd: int, text: str) -> None:
+        """The one write of a write-only interface file (tests replace it with a fake kernel)."""
+        os.write(fd, text.encode())
 
     @staticmethod
     def _open_file(dfd: int, name: str, flags: int) -> int:
