@@ -323,6 +323,11 @@ class CgroupFS(CgroupTree):
             os.close(dfd)
         if old == new:
             return None
+        return self._record(parts, file, old, new, why, level, drift, extra)
+
+    def _record(self, parts: list[str], file: str, old: str | None, new: str, why: str, level: int, drift: bool,
+                extra: dict | None) -> Write:
+        """Keep a write that was made, and audit it (``extra`` adds keys to the record)."""
         with self._lock:
             self._seq += 1
             w = Write(self._seq, "/".join(parts), file, old, new, why, level, drift)

@@ -199,28 +199,7 @@ class CgroupWriter(CgroupFS):
             deadline = time.monotonic() + self.settle
             while super().read(path, file) != new and time.monotonic() < deadline:
                 time.sleep(0.02)
-        with self._lock:
-            self._seq += 1
-            w = Write(self._seq, path, file, old, new, why, level, drift)
-            self.writes.append(w)
-        if self._emit is not None:
-            record = {
-                "event": "cgroup-write" if not self.dry_run else "cgroup-write-dry-run",
-                "path": os.path.join(self.root, *parts),
-                "file": file,
-                "old": old,
-                "new": new,
-                "why": why,
-                "level": ("node", "qos", "pod")[level] if 0 <= level <= 2 else level,
-                "via": "systemd",
-                "unit": unit,
-                "property": PROPERTY[file],
-            }
-            if old == new:  # the file held it already (cgroupfs write), systemd did not know it
-                record["adopted"] = True
-            if drift:
-                record["drift_repaired"] = True
-            if extra:
-                record.update(extra)
-            self._emit(record)
-        return w
+        through = {"via": "systemd", "unit": unit, "property": PROPERTY[file]}
+        if old == new:  # the file held it already (cgroupfs write), systemd did not know it
+            through["adopted"] = True
+        return self._record(parts, file, old, new, why, level, drift, {**through, **(extra or {})})
