@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from shim.decision import Policy
+
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DEFAULT_CONFIG = "/etc/memqos-shim/config.yaml"
 KUBELET_ENV_FILES = ("/var/lib/kubelet/kubeadm-flags.env", "/etc/default/kubelet", "/etc/sysconfig/kubelet")
@@ -296,7 +298,13 @@ class Doctor:
         details += [f"assumed: {a}" for a in writes.assumptions]
         details += owners.lines()
         kubelet_side = [w for w, who in owners.owners.items() if who == "kubelet"]
-        out.append(Result("ownership", WARN if writes.version is None and writes.assumptions else PASS,
+        uses_low = self.cfg.policy in (Policy.SOFT, Policy.TIERED_RESERVATION)
+        low_capped = writes.gate and not writes.policy_aware and uses_low
+        if low_capped:
+            details.append(f"policy {self.cfg.policy.value} under a kubelet that writes memory.min itself (before "
+                           "v1.36, gate on): containers get memory.low, but their pods keep memory.low 0, which "
+                           "caps it: use policy Hard with this kubelet")
+        out.append(Result("ownership", WARN if low_capped or (writes.version is None and writes.assumptions) else PASS,
                           ("kubelet owns " + ", ".join(kubelet_side) if kubelet_side else "the shim owns every value")
                           + f"; shim policy {self.cfg.policy.value}", details))
         # reservations and factor as the shim would use them

@@ -390,3 +390,21 @@ def test_doctor_says_who_owns_each_value(tmp_path, doc, version, kubelet_side, v
     if "Factor" in doc:
         assert owners["container memory.high"] == "kubelet"
     assert results["MemoryQoS gate"].verdict == (WARN_ if doc else PASS_)
+
+
+@pytest.mark.parametrize("policy,verdict", [("Hard", PASS_), ("Soft", WARN_), ("TieredReservation", WARN_)])
+def test_doctor_warns_when_a_memory_low_policy_meets_a_kubelet_writing_memory_min(tmp_path, policy, verdict):
+    """A v1.22-v1.35 kubelet with the gate on keeps the pod / QoS / node values (memory.min, memory.low 0):
+    a container's memory.low under such a pod counts for nothing, so doctor tells the operator."""
+    from tests.test_doctor import cfg, env, fake_proc, v2_tree
+
+    from shim.doctor import Doctor
+
+    v2_tree(tmp_path / "cg")
+    (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")
+    (tmp_path / "kubelet.yaml").write_text("cgroupDriver: cgroupfs\nfeatureGates:\n  MemoryQoS: true\n")
+    c = cfg(cgroup_root=str(tmp_path / "cg"), meminfo=str(tmp_path / "meminfo"),
+            kubelet_config=str(tmp_path / "kubelet.yaml"), kubelet_version="1.30", policy=policy)
+    r = {r.name: r for r in Doctor(c, env(fake_proc(tmp_path))).check_kubelet_config()}["ownership"]
+    assert r.verdict == verdict
+    assert any("use policy Hard" in d for d in r.details) == (verdict == WARN_)
