@@ -17,7 +17,7 @@ import hpack
 import pytest
 
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
-from shim.transport.h2 import frame as _frame
+from shim.transport.wire.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
 from shim.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
 

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from shim.transport.h2 import (
+from shim.transport.wire.h2 import (
     ACK,
     DATA,
     END_HEADERS,

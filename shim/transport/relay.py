@@ -62,7 +62,15 @@ from collections import deque
 
 from shim.transport.endpoints import socket_path
 from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall, guarded_finished, guarded_rewrite
-from shim.transport.h2 import (
+from shim.transport.wire.grpc import (
+    HTTP_STATUS,
+    RST_STATUS,
+    STATUS_NAMES,
+    STATUS_NUMBER,
+    percent_decode,
+    percent_encode,
+)
+from shim.transport.wire.h2 import (
     ACK,
     CONTINUATION,
     DATA,
@@ -71,23 +79,17 @@ from shim.transport.h2 import (
     ERR_CANCEL,
     GOAWAY,
     HEADERS,
-    HTTP_STATUS,
     PADDED,
     PING,
     PREFACE,
     PRIORITY_FLAG,
     PUSH_PROMISE,
-    RST_STATUS,
     RST_STREAM,
     SETTINGS,
     SETTINGS_HEADER_TABLE_SIZE,
     SETTINGS_INITIAL_WINDOW_SIZE,
-    STATUS_NAMES,
-    STATUS_NUMBER,
     WINDOW_UPDATE,
     frame,
-    percent_decode,
-    percent_encode,
     window_update,
 )
 from shim.transport.hpack_lite import CONTENT_TYPE_GRPC, STATUS_200, Decoder, HpackError, literal
