@@ -554,7 +554,7 @@ def test_idle_refused_connection_is_closed(loop, base, monkeypatch):
     quieter connection (ImageService) sat refused and idle, and its first call after the runtime
     was back still got "cannot reach the runtime". A refused connection without a call now
     gets GOAWAY and is closed after REFUSED_IDLE_CLOSE; one with a call in progress is not."""
-    import shim.transport.relay as relay_module
+    import shim.transport.relay.aio as relay_module
 
     monkeypatch.setattr(relay_module, "REFUSED_IDLE_CLOSE", 0.3)
     hooks = Hooks()
