@@ -195,3 +195,24 @@ def test_many_concurrent_held_streams_and_the_relay_wide_budget():
     assert rewritten, "no held stream was rewritten"
     assert unchanged, "the relay-wide budget never applied"
     assert conn.relay.held_total == 0 and conn.held_bytes == 0
+
+
+def test_too_large_answer_in_a_partial_data_frame_behind_its_headers():
+    """The runtime's chunk holds the answer's HEADERS and the start of a DATA frame whose message
+    is declared above max_message_bytes: the client gets the HEADERS once, then the relay's
+    RESOURCE_EXHAUSTED trailers, and none of the DATA frame (its rest dropped as it comes)."""
+    conn, client, upstream, hooks, runtime = start(max_message_bytes=1000)
+    client.call("/runtime.v1.RuntimeService/Version", b"", 1)
+    client.send()
+    enc = hpack.Encoder()
+    head = frame(HEADERS, 0x4, 1, enc.encode([(":status", "200"), ("content-type", "application/grpc")]))
+    body = b"\x00" + (5000).to_bytes(4, "big") + b"x" * 5000
+    data = frame(DATA, 0, 1, body)
+    before = len(client.out.out)
+    conn.from_server(head + data[:100])
+    conn.from_server(data[100:])
+    got = parse(bytes(client.out.out[before:]))
+    assert [(f[0], f[2]) for f in got] == [(HEADERS, 1), (HEADERS, 1)]
+    assert got[0][3] == head[9:]
+    [fc] = hooks.finished_calls
+    assert fc.code == "RESOURCE_EXHAUSTED"
