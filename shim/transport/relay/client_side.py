@@ -16,11 +16,14 @@ from shim.transport.relay.writes import send
 from shim.transport.wire.h2 import (
     ACK,
     DATA,
+    END_HEADERS,
     END_STREAM,
     HEADERS,
+    PADDED,
     RST_STREAM,
     SETTINGS,
     SETTINGS_HEADER_TABLE_SIZE,
+    TRIMMED,
     ProtocolError,
     data_payload,
     frames,
@@ -69,7 +72,8 @@ class ClientToServer:
                 need += end - fpos - 9
             elif ftype == HEADERS:
                 try:
-                    info = self.cdec.info(header_block(data, ftype, flags, fpos, end), request_info)
+                    info = self.cdec.info(data[fpos + 9:end] if flags & TRIMMED == END_HEADERS
+                                          else header_block(data, ftype, flags, fpos, end), request_info)
                 except HpackError as e:
                     raise ProtocolError(f"request headers: {e}") from None
                 if sid > self.last_client_sid:  # else trailers (gRPC clients send none)
@@ -95,7 +99,8 @@ class ClientToServer:
                 win.s_conn -= length
                 call = streams.get(sid)
                 if call is not None:
-                    too_big = call.req.feed(data_payload(data, flags, pos, end))
+                    too_big = call.req.feed(data_payload(data, flags, pos, end) if flags & PADDED
+                                            else memoryview(data)[pos + 9:end])
                     if too_big:
                         self._too_big(call, too_big, None)
             elif ftype != HEADERS:

@@ -265,9 +265,9 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing):
         win = self.windows
         if win.queue:
             self._drain()
+        if win.s_conn - win.queued <= win.c_conn and not self.repay_streams:
+            return  # nothing to give back (the usual case)
         room = win.grant()
-        if not room and not self.repay_streams:
-            return
         frames = [window_update(0, room)] if room else []
         for sid, n in self.repay_streams.items():
             if sid in self.streams:

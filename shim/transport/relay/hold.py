@@ -13,8 +13,8 @@ encoding, or not exactly one message; a hook that fails is the owner's (``rewrit
 from __future__ import annotations
 
 from shim.transport.relay.writes import send
-from shim.transport.wire.grpc import decompress, declared_size, message, single_message
-from shim.transport.wire.h2 import DATA, END_STREAM, data_payload, frame
+from shim.transport.wire.grpc import decompress, message
+from shim.transport.wire.h2 import DATA, END_STREAM, PADDED, data_payload, frame
 
 
 class Holding:
@@ -24,12 +24,12 @@ class Holding:
         hold = call.hold
         relay = self.relay
         before = len(hold)
-        hold += data_payload(data, flags, pos, end)
+        hold += data_payload(data, flags, pos, end) if flags & PADDED else memoryview(data)[pos + 9:end]
         grown = len(hold) - before
         self.held_bytes += grown
         relay.held_total += grown
         if before < 5 <= len(hold):
-            declared = declared_size(hold)
+            declared = int.from_bytes(hold[1:5], "big")  # the message's 5-byte prefix
             if declared > relay.max_message_bytes:
                 send(self.upstream, pending)
                 self._too_big(call, declared, None)
@@ -76,7 +76,7 @@ class Holding:
         relay = self.relay
         out = data
         request = None
-        if single_message(data):
+        if len(data) >= 5 and int.from_bytes(data[1:5], "big") == len(data) - 5:  # one message
             body = data[5:]
             if data[0] & 1:  # compressed
                 body = decompress(call.req_encoding, body)

@@ -39,6 +39,7 @@ from shim.transport.wire.h2 import (
     frames,
     header_block,
     joined,
+    TRIMMED,
     settings_items,
     u31,
     window_update,
@@ -63,13 +64,23 @@ class ServerToClient:
                 return
         elif n >= EARLY_WRITE_BYTES:
             self.s_out = pos = self._write_leading_data(data, n)
+        streams = self.streams
         for ftype, flags, sid, fpos, end in frames(data, pos, n):
             if ftype == DATA:
-                self._server_data(data, flags, sid, fpos, end)
+                call = streams.get(sid)
+                if call is not None and not flags & (END_STREAM | PADDED):  # the usual one, inline
+                    too_big = call.resp.feed(memoryview(data)[fpos + 9:end])
+                    if too_big:
+                        self._server_too_big(data, call, too_big, fpos, end)
+                else:
+                    self._server_data(data, flags, sid, fpos, end)
             elif ftype == HEADERS:
-                self._server_headers(sid, header_block(data, ftype, flags, fpos, end), flags & END_STREAM)
+                self._server_headers(sid, data[fpos + 9:end] if flags & TRIMMED == END_HEADERS
+                                     else header_block(data, ftype, flags, fpos, end), flags & END_STREAM)
             elif ftype == WINDOW_UPDATE:
-                self._server_window_update(data, sid, fpos, end)
+                if sid or not self.windows.server_conn_update(
+                        int.from_bytes(data[fpos + 9:fpos + 13], "big") & 0x7FFFFFFF):
+                    self._server_window_update(data, sid, fpos, end)
             elif ftype == RST_STREAM:
                 self._server_rst(data, sid, fpos, end)
             elif ftype == SETTINGS:
@@ -108,15 +119,13 @@ class ServerToClient:
     # ------------------------------------------------------------------------ frames
 
     def _server_data(self, data: bytes, flags: int, sid: int, pos: int, end: int) -> None:
+        """A DATA frame that is not the usual one (padded, ending the stream, of a stream the
+        relay does not follow or ended itself)."""
         call = self.streams.get(sid)
         if call is not None:
             too_big = call.resp.feed(data_payload(data, flags, pos, end))
             if too_big:
-                self._cut(data, pos, end)
-                send(self.client, self.s_pending)
-                if end - pos - 9:
-                    self.s_upstream.append(window_update(0, end - pos - 9))
-                self._too_big(call, too_big, self.s_upstream)
+                self._server_too_big(data, call, too_big, pos, end)
             elif flags & END_STREAM:
                 self._finish(call, "INTERNAL", "server closed the stream without sending trailers")
         elif sid in self.ended:
@@ -124,18 +133,26 @@ class ServerToClient:
             if end - pos - 9:
                 self.s_upstream.append(window_update(0, end - pos - 9))
 
+    def _server_too_big(self, data: bytes, call, size: int, pos: int, end: int) -> None:
+        """A DATA frame of an answer declared above max_message_bytes: cut, the call ended."""
+        self._cut(data, pos, end)
+        send(self.client, self.s_pending)
+        if end - pos - 9:
+            self.s_upstream.append(window_update(0, end - pos - 9))
+        self._too_big(call, size, self.s_upstream)
+
     def _server_window_update(self, data: bytes, sid: int, pos: int, end: int) -> None:
-        inc = int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
+        """A stream's WINDOW_UPDATE, or a connection one the client may not have in full (the
+        loop counted it: ``Windows.server_conn_update``)."""
         win = self.windows
         if sid == 0:
-            if not win.server_conn_update(inc):
-                # cut to what the client may have (a rewrite made a request larger)
-                self._cut(data, pos, end)
-                room = win.grant()
-                if room:
-                    self.s_pending.append(window_update(0, room))
+            # cut to what the client may have (a rewrite made a request larger)
+            self._cut(data, pos, end)
+            room = win.grant()
+            if room:
+                self.s_pending.append(window_update(0, room))
         elif sid in win.streams:
-            win.streams[sid] += inc
+            win.streams[sid] += int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
 
     def _server_rst(self, data: bytes, sid: int, pos: int, end: int) -> None:
         if sid in self.ended:

@@ -114,16 +114,6 @@ def message(body: bytes) -> bytes:
     return b"\x00" + len(body).to_bytes(4, "big") + body
 
 
-def declared_size(prefixed) -> int:
-    """The body size the 5-byte prefix at the start of ``prefixed`` declares."""
-    return int.from_bytes(prefixed[1:5], "big")
-
-
-def single_message(prefixed) -> bool:
-    """``prefixed`` is exactly one gRPC message (prefix and the body it declares)."""
-    return len(prefixed) >= 5 and int.from_bytes(prefixed[1:5], "big") == len(prefixed) - 5
-
-
 class Messages:
     """gRPC messages reassembled from one direction's DATA payloads, kept within caps:
     ``max_n`` messages and ``max_bytes`` in all (beyond them ``truncated``); a message declared

@@ -97,14 +97,15 @@ def _unit_end(data, p: int, n: int) -> int:
         p = q
 
 
-_TRIMMED = END_HEADERS | PADDED | PRIORITY_FLAG
+# flags & TRIMMED == END_HEADERS: a HEADERS frame's payload is its whole header block
+TRIMMED = END_HEADERS | PADDED | PRIORITY_FLAG
 
 
 def header_block(data, ftype: int, flags: int, pos: int, end: int) -> bytes:
     """The header block fragment of the HEADERS / PUSH_PROMISE unit at ``pos``..``end``: the
     first frame's without padding, priority or promised stream id, then every CONTINUATION's.
     A slice of ``data`` (bytes for bytes)."""
-    if flags & _TRIMMED == END_HEADERS and ftype == HEADERS:  # the usual block: the payload
+    if flags & TRIMMED == END_HEADERS and ftype == HEADERS:  # the usual block: the payload
         return data[pos + 9:end]
     first_end = pos + 9 + ((data[pos] << 16) | (data[pos + 1] << 8) | data[pos + 2])
     start = pos + 9
