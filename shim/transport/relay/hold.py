@@ -70,15 +70,16 @@ class Holding:
         self._send_owned(call.sid, data, end_stream)
 
     def _end_hold(self, call, pending: list[bytes]) -> None:
-        """END_STREAM of a held call: the hook's rewrite (or the original) goes upstream."""
-        data = bytes(call.hold)
+        """END_STREAM of a held call: the hook's rewrite (or the kubelet's bytes) goes upstream."""
+        hold = call.hold
         self._drop_hold(call)
         relay = self.relay
-        out = data
+        n = len(hold)
+        out = None
         request = None
-        if len(data) >= 5 and int.from_bytes(data[1:5], "big") == len(data) - 5:  # one message
-            body = data[5:]
-            if data[0] & 1:  # compressed
+        if n >= 5 and int.from_bytes(hold[1:5], "big") == n - 5:  # one message
+            body = bytes(memoryview(hold)[5:])
+            if hold[0] & 1:  # compressed
                 body = decompress(call.req_encoding, body)
             if body is not None:
                 request = body
@@ -86,14 +87,14 @@ class Holding:
                 if new is not body and new != body:
                     call.forwarded = new
                     out = message(new)
-                elif data[0] & 1:
-                    out = data  # unchanged: the kubelet's compressed bytes
             else:
-                relay.hold_skipped(call.method, len(data), "compressed with an unknown encoding")
-        elif data:
-            relay.hold_skipped(call.method, len(data), "not exactly one gRPC message")
+                relay.hold_skipped(call.method, n, "compressed with an unknown encoding")
+        elif n:
+            relay.hold_skipped(call.method, n, "not exactly one gRPC message")
+        if out is None:
+            out = bytes(hold)  # unchanged: the kubelet's bytes
         if request is None:
-            call.req.feed(data)
+            call.req.feed(out)
         else:
             call.request = request
         self.windows.own_stream(call.sid)
