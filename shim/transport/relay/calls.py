@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shim.transport.hooks import REWRITTEN_METHODS, FinishedCall
 from shim.transport.methods import CRI_METHODS_BY_PATH
-from shim.transport.wire.grpc import Messages, decompress, timeout_seconds
+from shim.transport.wire.grpc import Messages, decompress, header_values, timeout_seconds
 
 # What FinishedCall keeps of one server stream (as the grpcio transport); the client always
 # gets every message.
@@ -12,22 +12,16 @@ STREAM_RECORD_MAX_MESSAGES = 1000
 STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
 
 
+_REQUEST = {b":path": 0, b"grpc-timeout": 1, b"grpc-encoding": 2}
+
+
 def request_info(headers: list[tuple[bytes, bytes]]) -> tuple:
     """(method, timeout seconds, grpc-encoding, unary request?, unary response?) of a request."""
-    path = b""
-    timeout = None
-    encoding = b""
-    for name, value in headers:
-        if name == b":path":
-            path = value
-        elif name == b"grpc-timeout":
-            timeout = timeout_seconds(value)
-        elif name == b"grpc-encoding":
-            encoding = value
-    method = path.decode("utf-8", "replace")
+    path, timeout, encoding = header_values(headers, _REQUEST)
+    method = (path or b"").decode("utf-8", "replace")
     m = CRI_METHODS_BY_PATH.get(method)
-    return (method, timeout, encoding, m is not None and not m.client_streaming,
-            m is not None and not m.server_streaming)
+    return (method, None if timeout is None else timeout_seconds(timeout), encoding or b"",
+            m is not None and not m.client_streaming, m is not None and not m.server_streaming)
 
 
 class Call:

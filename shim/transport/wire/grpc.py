@@ -54,22 +54,24 @@ def percent_decode(raw: bytes) -> str:
         i += 1
     return out.decode("utf-8", "replace")
 
+def header_values(headers: list[tuple[bytes, bytes]], wanted: dict[bytes, int]) -> list:
+    """The value of each header ``wanted`` names, at the index it gives (the last one where a
+    name repeats, None where it is absent)."""
+    out = [None] * len(wanted)
+    for name, value in headers:
+        i = wanted.get(name)
+        if i is not None:
+            out[i] = value
+    return out
+
+
+_RESPONSE = {b":status": 0, b"grpc-encoding": 1, b"grpc-status": 2, b"grpc-message": 3}
+
+
 def response_info(headers: list[tuple[bytes, bytes]]) -> tuple:
     """(:status, grpc-encoding, status name or None, details) of response headers or trailers:
     the status name is None without grpc-status, UNKNOWN for one that is not a status number."""
-    http_status = b""
-    encoding = b""
-    status = None
-    message = b""
-    for name, value in headers:
-        if name == b":status":
-            http_status = value
-        elif name == b"grpc-status":
-            status = value
-        elif name == b"grpc-message":
-            message = value
-        elif name == b"grpc-encoding":
-            encoding = value
+    http_status, encoding, status, message = header_values(headers, _RESPONSE)
     code = None
     details = ""
     if status is not None:
@@ -78,7 +80,7 @@ def response_info(headers: list[tuple[bytes, bytes]]) -> tuple:
         except (ValueError, IndexError):
             code = "UNKNOWN"
         details = percent_decode(message) if message else ""
-    return http_status, encoding, code, details
+    return http_status or b"", encoding or b"", code, details
 
 
 TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
