@@ -41,12 +41,13 @@ Layout: ``connection.py`` is the relay of one kubelet connection without I/O (by
 to two writers, the owner told what happened), its work split by direction into
 ``client_side.py`` and ``server_side.py``, with ``hold.py`` (held requests rewritten),
 ``windows.py`` (the flow-control windows), ``refuse.py`` (the UNAVAILABLE server side) and
-``calls.py`` (one call's state); ``aio.py`` is the asyncio layer (sockets, ``RelayProxy``).
+``calls.py`` (one call's state), ``writes.py`` (what it writes to); ``aio.py`` is the asyncio
+layer (sockets, ``RelayProxy``).
 Frames and gRPC messages are read and built by ``shim.transport.wire``.
 
 Flow control. The relay only touches the client-to-server direction's windows, and only
-because of held streams. It tracks the server's connection window (``s_conn``: what the relay
-may still send) and the client's view of it (``c_conn``). Bytes the client sends on a held
+because of held streams (``windows.py``). It tracks the server's connection window (``s_conn``:
+what the relay may still send) and the client's view of it (``c_conn``). Bytes the client sends on a held
 stream never reach the server, so the relay gives them back to the client (connection and
 stream WINDOW_UPDATE) while holding, else a request larger than the window would stall until
 its deadline. The rewritten message (N' bytes instead of N) is then sent only within the

@@ -3,9 +3,9 @@
 ``Connection`` is fed the bytes each peer sent (``from_client``, ``from_server``) and writes
 what each peer must get to two writers it was given (``client``, and ``upstream`` once
 ``relay_to`` is called; ``writes.py``): the asyncio layer (``aio.py``) gives its transports,
-tests give buffers (``Buffer``). It
-does no other I/O and reads no clock of its own (``clock`` and ``wall`` are passed in); what
-happens to a call is told to its ``owner`` (``RelayProxy`` in the shim):
+tests give buffers (``Buffer``). It does no other I/O and reads no clock of its own (``clock``
+and ``wall`` are passed in); what happens to a call is told to its ``owner`` (``RelayProxy``
+in the shim; these calls are the connection's events):
 
 * ``owner.rewritten(method, request) -> bytes``: the hook's rewrite of a held request;
 * ``owner.finished(FinishedCall)``: a call ended (after the chunk that ended it was written);
