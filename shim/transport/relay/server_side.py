@@ -211,17 +211,20 @@ class ServerToClient:
         what the relay forwards before it, and its observation follows right after."""
         pos = 0
         streams = self.streams
-        for ftype, flags, sid, fpos, end in frames(data, 0, n):
+        units = []
+        for unit in frames(data, 0, n):
+            ftype, flags, sid, fpos, end = unit
             if ftype == DATA:
                 if flags & (END_STREAM | PADDED) or sid in self.ended or sid not in streams:
                     break
             elif ftype != HEADERS or flags & (END_STREAM | PADDED) or not flags & END_HEADERS:
                 break
+            units.append(unit)
             pos = end
         if pos < EARLY_WRITE_BYTES:
             return 0
         self.client.write(memoryview(data)[:pos])
-        for ftype, flags, sid, fpos, end in frames(data, 0, pos):
+        for ftype, flags, sid, fpos, end in units:
             if ftype == HEADERS:
                 self._server_headers(sid, header_block(data, ftype, flags, fpos, end), 0)
             else:
