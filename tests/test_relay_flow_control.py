@@ -8,7 +8,7 @@ raised SETTINGS_INITIAL_WINDOW_SIZE in the middle of the relay's re-send, the re
 increase at once, and the DATA it sent before the kubelet's SETTINGS ACK reached the runtime
 overflowed the stream's acknowledged window: RST_STREAM PROTOCOL_ERROR, CreateContainer failed.
 
-No sockets: a ``_Connection`` is fed bytes as its two asyncio protocols would feed them, and
+No sockets: a sans-I/O ``Connection`` is fed bytes as its two asyncio protocols would feed them, and
 what it writes each way is parsed back into frames.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from shim.transport.h2 import (
+from shim.transport.wire.h2 import (
     ACK,
     DATA,
     END_HEADERS,
@@ -33,7 +33,7 @@ from shim.transport.h2 import (
     window_update,
 )
 from shim.transport.hooks import CREATE_CONTAINER
-from shim.transport.relay import PREFACE, RelayProxy, _Connection
+from shim.transport.relay import PREFACE, Buffer, Connection, RelayProxy
 
 try:
     from tests.test_relay import Hooks, added, request_for
@@ -62,29 +62,6 @@ def parse(raw: bytes, preface: bool = False) -> list[tuple[int, int, int, bytes]
         pos += 9 + n
     assert pos == len(raw), "a partial frame"
     return out
-
-
-class Transport:
-    """What the relay writes to one side, kept whole, and how many writes it took."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.writes = 0
-
-    def write(self, data) -> None:
-        self.out += data
-        self.writes += 1
-
-    def writelines(self, pieces) -> None:
-        for p in pieces:
-            self.out += p
-        self.writes += 1
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 class Runtime:
@@ -116,7 +93,7 @@ class Runtime:
     def initial(self) -> int:
         return min([self.acked_initial] + [v for v in self.unacked if v is not None])
 
-    def check(self, up: Transport) -> None:
+    def check(self, up: Buffer) -> None:
         frames = parse(bytes(up.out[self.seen:]), preface=self.seen == 0)
         self.seen = len(up.out)
         for ftype, flags, sid, payload in frames:
@@ -152,10 +129,11 @@ class Runtime:
         return SID in self.ended_streams
 
 
-def create_container_call(message: bytes, sid: int = SID, encoder: hpack.Encoder | None = None
-                          ) -> tuple[bytes, list[bytes]]:
-    """The HEADERS frame and the DATA frames (16 KiB) of a CreateContainer call on a stream."""
-    block = (encoder or hpack.Encoder()).encode([(":method", "POST"), (":scheme", "http"), (":path", CREATE_CONTAINER),
+def create_container_call(message: bytes, sid: int = SID, encoder: hpack.Encoder | None = None,
+                          method: str = CREATE_CONTAINER) -> tuple[bytes, list[bytes]]:
+    """The HEADERS frame and the DATA frames (16 KiB) of a CreateContainer call (or
+    ``method``) on a stream."""
+    block = (encoder or hpack.Encoder()).encode([(":method", "POST"), (":scheme", "http"), (":path", method),
                                     (":authority", "localhost"), ("content-type", "application/grpc"),
                                     ("te", "trailers")])
     grpc_message = b"\x00" + len(message).to_bytes(4, "big") + message
@@ -164,13 +142,13 @@ def create_container_call(message: bytes, sid: int = SID, encoder: hpack.Encoder
     return frame(HEADERS, END_HEADERS, sid, block), data
 
 
-def new_connection(base: str):
+def new_connection(base: str, **relay_kw):
     hooks = Hooks(added)
-    relay = RelayProxy(f"unix://{base}/shim.sock", f"unix://{base}/runtime.sock", hooks)
-    conn = _Connection(relay)
-    client, upstream = Transport(), Transport()
-    conn.client = client  # what client_made() sets, without its connect task: the upstream is ours
-    conn.upstream_made(upstream)
+    relay = RelayProxy(f"unix://{base}/shim.sock", f"unix://{base}/runtime.sock", hooks, **relay_kw)
+    relay.trim_soon = lambda: None  # after a large call; RelayProxy's needs an event loop
+    client, upstream = Buffer(), Buffer()
+    conn = Connection(relay, client)
+    conn.relay_to(upstream)
     return conn, client, upstream, hooks
 
 
@@ -289,7 +267,7 @@ def test_rewritten_call_answer_and_window_update_reach_the_client_in_one_write(r
     assert [(f[0], f[2]) for f in frames] == [(HEADERS, SID), (DATA, SID), (HEADERS, SID), (WINDOW_UPDATE, 0)]
     assert int.from_bytes(frames[3][3], "big") == sent_by_client
     # the client's view of the connection window equals the runtime's
-    assert conn.c_conn == conn.s_conn - conn.queued
+    assert conn.windows.c_conn == conn.windows.s_conn - conn.windows.queued
     [(out_then, call)] = seen_at_finished
     assert out_then == bytes(client.out)  # the answer was written before finished() ran
     assert call.code == "OK" and call.request == message and call.responses == [response]

@@ -24,9 +24,9 @@ import socket
 import time
 
 from shim.transport.endpoints import socket_path
-from shim.transport.h2 import (
+from shim.transport.wire.grpc import RST_STATUS, message, response_info, timeout_header
+from shim.transport.wire.h2 import (
     ACK,
-    CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -34,22 +34,23 @@ from shim.transport.h2 import (
     GOAWAY,
     HEADERS,
     MAX_WINDOW,
-    PADDED,
     PING,
     PREFACE,
-    PRIORITY_FLAG,
     PUSH_PROMISE,
-    RST_STATUS,
     RST_STREAM,
     SETTINGS,
     SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_FRAME_SIZE,
-    STATUS_NAMES,
     WINDOW_UPDATE,
+    ProtocolError,
+    data_payload,
     frame,
-    percent_decode,
+    frames,
+    header_block,
+    rst_stream,
     setting,
+    settings_items,
     window_update,
 )
 from shim.transport.hpack_lite import Decoder, HpackError, literal
@@ -70,11 +71,6 @@ class _NotProcessed(_Broken):
     """The runtime is going away and did not take our stream (GOAWAY below its id)."""
 
 
-def _timeout_header(seconds: float) -> bytes:
-    ms = max(1, int(seconds * 1000))
-    return f"{ms}m".encode() if ms < 10**8 else f"{max(1, int(seconds))}S".encode()
-
-
 class UnaryClient:
     def __init__(self, endpoint: str, *, max_message_bytes: int = 128 * 1024 * 1024,
                  connect_timeout: float = 5.0, receive_window: int = MAX_WINDOW) -> None:
@@ -85,6 +81,10 @@ class UnaryClient:
         self.max_message_bytes = max_message_bytes
         self.connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """A new connection's HTTP/2 state."""
         self._buf = bytearray()
         self._next_sid = 1
         self._decoder = Decoder()
@@ -112,14 +112,7 @@ class UnaryClient:
             s.close()
             raise CallError("UNAVAILABLE", f"cannot connect to unix://{self.path}: {e}") from None
         self._sock = s
-        self._buf = bytearray()
-        self._next_sid = 1
-        self._decoder = Decoder()
-        self._send_conn = 65535
-        self._send_initial = 65535
-        self._max_frame = 16384
-        self._goaway = False
-        self._owed = 0
+        self._fresh_state()
         # no server push; stream and connection windows as large as HTTP/2 allows (by default):
         # answers never wait for a WINDOW_UPDATE from us, the connection's is given back after
         # each call
@@ -133,15 +126,24 @@ class UnaryClient:
         except OSError as e:
             raise _Broken(f"write: {e}") from None
 
-    def _read_frame(self, deadline: float) -> tuple[int, int, int, bytes]:
+    def _read_frame(self, deadline: float) -> tuple[int, int, int, bytes, int]:
+        """The next unit (``wire.h2.frames``): (type, flags, stream id, payload, flow-controlled
+        length); the payload of HEADERS / PUSH_PROMISE is the whole header block, of DATA the
+        data without padding (the flow-controlled length counts it)."""
         buf = self._buf
         while True:
-            if len(buf) >= 9:
-                n = int.from_bytes(buf[:3], "big")
-                if len(buf) >= 9 + n:
-                    f = (buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF, bytes(buf[9:9 + n]))
-                    del buf[:9 + n]
-                    return f
+            try:
+                for ftype, flags, sid, pos, end in frames(buf, 0, len(buf)):
+                    if ftype == HEADERS or ftype == PUSH_PROMISE:
+                        payload = bytes(header_block(buf, ftype, flags, 0, end))
+                    elif ftype == DATA:
+                        payload = bytes(data_payload(buf, flags, 0, end))
+                    else:
+                        payload = bytes(buf[9:end])
+                    del buf[:end]
+                    return ftype, flags, sid, payload, end - 9
+            except ProtocolError as e:
+                raise _Broken(str(e)) from None
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -197,8 +199,8 @@ class UnaryClient:
     def _call(self, sid: int, method: str, request: bytes, timeout: float, deadline: float) -> bytes:
         block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", method.encode())
                  + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
-                 + literal(b"te", b"trailers") + literal(b"grpc-timeout", _timeout_header(timeout)))
-        message = b"\x00" + len(request).to_bytes(4, "big") + request
+                 + literal(b"te", b"trailers") + literal(b"grpc-timeout", timeout_header(timeout)))
+        message_bytes = message(request)
         self._send(frame(HEADERS, END_HEADERS, sid, block))
         stream_window = self._send_initial
         sent = 0
@@ -207,29 +209,17 @@ class UnaryClient:
         status: str | None = None
         details = ""
         http_status = b""
-        header_block = None  # (flags, bytes) of a HEADERS waiting for CONTINUATION
         while True:
-            while sent < len(message):
-                room = min(self._send_conn, stream_window, self._max_frame, len(message) - sent)
+            while sent < len(message_bytes):
+                room = min(self._send_conn, stream_window, self._max_frame, len(message_bytes) - sent)
                 if room <= 0:
                     break
-                last = sent + room == len(message)
-                self._send(frame(DATA, END_STREAM if last else 0, sid, message[sent:sent + room]))
+                last = sent + room == len(message_bytes)
+                self._send(frame(DATA, END_STREAM if last else 0, sid, message_bytes[sent:sent + room]))
                 sent += room
                 self._send_conn -= room
                 stream_window -= room
-            ftype, flags, fsid, payload = self._read_frame(deadline)
-            if header_block is not None:
-                if ftype != CONTINUATION or fsid != header_block[2]:
-                    raise _Broken("header block interrupted")
-                header_block = (header_block[0] | (flags & END_HEADERS), header_block[1] + payload, header_block[2])
-                if not flags & END_HEADERS:
-                    continue
-                ftype, flags, fsid, payload = HEADERS, header_block[0], header_block[2], header_block[1]
-                header_block = None
-                decoded = True
-            else:
-                decoded = False
+            ftype, flags, fsid, payload, flow = self._read_frame(deadline)
             if ftype == SETTINGS:
                 if not flags & ACK:
                     stream_window += self._settings(payload)
@@ -253,44 +243,23 @@ class UnaryClient:
                 raise CallError(RST_STATUS.get(code, "INTERNAL"), f"{method}: stream reset by the runtime "
                                                                   f"(HTTP/2 error code {code})")
             elif ftype in (HEADERS, PUSH_PROMISE):
-                if not decoded:
-                    start, stop = 0, len(payload)
-                    if flags & PADDED:
-                        stop -= payload[0]
-                        start = 1
-                    if ftype == PUSH_PROMISE:
-                        start += 4
-                    elif flags & PRIORITY_FLAG:
-                        start += 5
-                    if not flags & END_HEADERS:
-                        header_block = (flags & END_STREAM, payload[start:stop], fsid)
-                        continue
-                    payload = payload[start:stop]
                 headers = self._decoder.decode(payload)  # every block: the table must be followed
                 if ftype == PUSH_PROMISE or fsid != sid:
                     continue
-                for name, value in headers:
-                    if name == b":status":
-                        http_status = value
-                    elif name == b"grpc-status":
-                        try:
-                            status = STATUS_NAMES[int(value)]
-                        except (ValueError, IndexError):
-                            status = "UNKNOWN"
-                    elif name == b"grpc-message":
-                        details = percent_decode(value)
+                got_http, _, got_status, got_details = response_info(headers)
+                if got_http:
+                    http_status = got_http
+                if got_status is not None:
+                    status, details = got_status, got_details
                 headers_seen = True
                 if flags & END_STREAM:
                     break
             elif ftype == DATA:
-                self._owed += len(payload)  # flow control counts padding too
-                data = payload
-                if flags & PADDED:
-                    data = payload[1:len(payload) - payload[0]]
+                self._owed += flow  # flow control counts padding too
                 if fsid == sid:
-                    body += data
+                    body += payload
                     if len(body) > self.max_message_bytes + 5:
-                        self._send(frame(RST_STREAM, 0, sid, ERR_CANCEL.to_bytes(4, "big")))
+                        self._send(rst_stream(sid, ERR_CANCEL))
                         raise CallError("RESOURCE_EXHAUSTED", f"{method}: answer larger than "
                                                               f"{self.max_message_bytes} bytes")
                     if flags & END_STREAM:
@@ -316,9 +285,7 @@ class UnaryClient:
     def _settings(self, payload: bytes) -> int:
         """Apply the runtime's SETTINGS; returns the change of the initial stream window."""
         delta = 0
-        for i in range(0, len(payload) - 5, 6):
-            ident = int.from_bytes(payload[i:i + 2], "big")
-            value = int.from_bytes(payload[i + 2:i + 6], "big")
+        for ident, value in settings_items(payload, 0, len(payload)):
             if ident == SETTINGS_INITIAL_WINDOW_SIZE:
                 delta += value - self._send_initial
                 self._send_initial = value

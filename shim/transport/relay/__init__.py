@@ -1,0 +1,79 @@
+"""The fast CRI transport: an HTTP/2 connection relay (``--transport relay``).
+
+Each kubelet connection gets one upstream connection, and the bytes of both directions are
+forwarded as they come, frame by frame: SETTINGS, PING, WINDOW_UPDATE, GOAWAY, stream ids and
+the HPACK state stay the two peers' own, so there is no HTTP/2 stack and no gRPC call object in
+between (grpcio's per-call cost, about half a millisecond here, is what this avoids). What the
+relay does on top of forwarding:
+
+* It reads every frame header both ways and decodes every header block (one HPACK decoder per
+  direction, ``shim.transport.hpack_lite``) to learn each stream's ``:path`` and
+  ``grpc-timeout``, and each answer's ``grpc-status`` / ``grpc-message``. A block that does not
+  decode means the HPACK state is lost: the connection is closed (the kubelet reconnects).
+* It reassembles the gRPC messages of both directions from DATA frames (a copy to the side,
+  never delaying the forward) so that ``CallHooks.finished`` gets the same ``FinishedCall`` as
+  from the grpcio transport: request, responses (server streams capped like there), code,
+  details, ``forwarded``. ``finished`` runs right after the frame that ends the call was
+  written to the kubelet, in the same event-loop callback: off the call's latency, yet before
+  the relay reads anything more from any connection (so before the kubelet's next call).
+* Bytes that need no change go out before the relay looks at them closely: a client chunk that
+  holds no held, dropped or queued DATA is written upstream first and observed after; a large
+  server chunk's leading DATA is written before it is copied for the observers, and a DATA
+  frame that has not fully arrived is forwarded as far as it has.
+* CreateContainer and UpdateContainerResources are held: their HEADERS go upstream at once
+  (so the runtime's deadline starts when the kubelet's did), their DATA frames are kept until
+  END_STREAM, ``CallHooks.rewrite`` runs on the message and the result is sent re-framed (16 KiB
+  frames, the size every peer accepts) within the server's flow-control windows (see "Flow
+  control"). Fail-open: a message above
+  ``hold_max_bytes`` (or beyond the relay-wide budget ``hold_total_bytes``), a compressed one
+  with an unknown encoding, more than one message, a hook that raises or returns no bytes:
+  the kubelet's bytes go upstream unchanged.
+* ``max_message_bytes`` is enforced like grpc does: a message declared larger (request or
+  reply) ends the call with RESOURCE_EXHAUSTED for the kubelet and RST_STREAM upstream.
+* When the runtime cannot be reached, the relay answers the connection's calls itself with
+  UNAVAILABLE (a minimal HTTP/2 server side), then sends GOAWAY and closes it, so the kubelet's
+  next call opens a new connection and tries the runtime again. A refused connection that gets
+  no call is closed the same way after ``REFUSED_IDLE_CLOSE`` seconds: grpc-go (the kubelet)
+  reconnects at once when a connection closes, so an idle refused one would otherwise still
+  refuse its first call long after the runtime is back (grpc-core clients reconnect lazily).
+
+Layout: ``connection.py`` is the relay of one kubelet connection without I/O (bytes in, writes
+to two writers, the owner told what happened), its work split by direction into
+``client_side.py`` and ``server_side.py``, with ``hold.py`` (held requests rewritten),
+``windows.py`` (the flow-control windows), ``refuse.py`` (the UNAVAILABLE server side) and
+``calls.py`` (one call's state), ``writes.py`` (what it writes to); ``aio.py`` is the asyncio
+layer (sockets, ``RelayProxy``).
+Frames and gRPC messages are read and built by ``shim.transport.wire``.
+
+Flow control. The relay only touches the client-to-server direction's windows, and only
+because of held streams (``windows.py``). It tracks the server's connection window (``s_conn``:
+what the relay may still send) and the client's view of it (``c_conn``). Bytes the client sends on a held
+stream never reach the server, so the relay gives them back to the client (connection and
+stream WINDOW_UPDATE) while holding, else a request larger than the window would stall until
+its deadline. The rewritten message (N' bytes instead of N) is then sent only within the
+server's windows (the stream's is tracked for held streams), and any client DATA that the
+server's window cannot take yet is queued. A raised SETTINGS_INITIAL_WINDOW_SIZE from the server
+counts for those stream windows only once the client's ACK of it has gone upstream (grpc-core
+resets a stream whose DATA exceeds the acknowledged window); a lowered one counts at once. Server WINDOW_UPDATEs on the connection are passed
+on only as far as the server's window exceeds what the client may already send plus what is
+queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
+(held, dropped or cancelled bytes), the relay grants it to the client itself. Everything else
+is forwarded verbatim: what the relay does not understand, it does not touch.
+"""
+from __future__ import annotations
+
+from shim.transport.relay.aio import (
+    HOLD_MAX_BYTES,
+    HOLD_TOTAL_BYTES,
+    READ_PAUSE_BYTES,
+    REFUSED_IDLE_CLOSE,
+    UPSTREAM_CONNECT_TIMEOUT,
+    RelayProxy,
+    trim_heap,
+)
+from shim.transport.relay.connection import Connection
+from shim.transport.relay.writes import Buffer
+from shim.transport.wire.h2 import PREFACE
+
+__all__ = ["HOLD_MAX_BYTES", "HOLD_TOTAL_BYTES", "PREFACE", "READ_PAUSE_BYTES", "REFUSED_IDLE_CLOSE",
+           "UPSTREAM_CONNECT_TIMEOUT", "Buffer", "Connection", "RelayProxy", "trim_heap"]

@@ -1,0 +1,83 @@
+"""One call (one HTTP/2 stream) as the relay follows it: what its request headers say, the
+messages of both directions, the held request, and the ``FinishedCall`` it ends as."""
+from __future__ import annotations
+
+from shim.transport.hooks import REWRITTEN_METHODS, FinishedCall
+from shim.transport.methods import CRI_METHODS_BY_PATH
+from shim.transport.wire.grpc import Messages, decompress, header_values, timeout_seconds
+
+# What FinishedCall keeps of one server stream (as the grpcio transport); the client always
+# gets every message.
+STREAM_RECORD_MAX_MESSAGES = 1000
+STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
+
+
+_REQUEST = {b":path": 0, b"grpc-timeout": 1, b"grpc-encoding": 2}
+
+
+def request_info(headers: list[tuple[bytes, bytes]]) -> tuple:
+    """(method, timeout seconds, grpc-encoding, unary request?, unary response?) of a request."""
+    path, timeout, encoding = header_values(headers, _REQUEST)
+    method = (path or b"").decode("utf-8", "replace")
+    m = CRI_METHODS_BY_PATH.get(method)
+    return (method, None if timeout is None else timeout_seconds(timeout), encoding or b"",
+            m is not None and not m.client_streaming, m is not None and not m.server_streaming)
+
+
+class Call:
+    """A stream the client opened. ``hold`` is the held request's bytes (the rewritten methods,
+    until END_STREAM or fail-open), None otherwise."""
+
+    __slots__ = ("sid", "method", "start", "t0", "timeout", "held", "hold", "req", "resp", "forwarded",
+                 "resp_headers", "http_status", "req_encoding", "resp_encoding", "request", "done")
+
+    def __init__(self, sid: int, info: tuple, limits, start: float, t0: float) -> None:
+        method, timeout, encoding, unary_req, unary_resp = info
+        limit = limits.max_message_bytes
+        self.sid = sid
+        self.method = method
+        self.start = start  # wall clock, for FinishedCall
+        self.t0 = t0  # the connection's clock
+        self.timeout = timeout
+        self.held = method in REWRITTEN_METHODS
+        self.hold: bytearray | None = bytearray() if self.held else None
+        if unary_req:
+            self.req = Messages(1 << 30, limit, limit)
+        else:
+            self.req = Messages(limits.stream_record_max_messages, limits.stream_record_max_bytes, limit)
+        if unary_resp:
+            self.resp = Messages(1 << 30, limit, limit)
+        else:
+            self.resp = Messages(limits.stream_record_max_messages, limits.stream_record_max_bytes, limit)
+        self.forwarded: bytes | None = None
+        self.resp_headers = False
+        self.http_status = b""
+        self.req_encoding = encoding
+        self.resp_encoding = b""
+        self.request: bytes | None = None  # set for held calls (the message the hook saw)
+        self.done = False
+
+    def finished(self, code: str, details: str, now: float) -> FinishedCall:
+        """What ``CallHooks.finished`` gets for this call, ended with ``code`` at ``now``."""
+        request = self.request
+        if request is None:
+            msgs = self.req.msgs
+            request = msgs[0] if len(msgs) == 1 else b"".join(msgs)
+            if self.req.compressed and self.req_encoding:
+                request = decompress(self.req_encoding, request) or request
+        responses: list[bytes] = []
+        if code == "OK":
+            responses = self.resp.msgs
+            if self.resp.compressed and self.resp_encoding:
+                responses = [decompress(self.resp_encoding, r) or r for r in responses]
+        return FinishedCall(self.method, self.start, (now - self.t0) * 1000.0, request, self.forwarded,
+                            responses, code, details, self.resp.truncated and code == "OK")
+
+    def ended_code(self, now: float) -> str:
+        """A call the client reset: its deadline, or the client cancelled (as CriProxy)."""
+        if self.timeout is None:
+            return "CANCELLED"
+        remaining = self.timeout - (now - self.t0)
+        if remaining <= 0.011 * self.timeout + 0.02:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED"

@@ -1,0 +1,182 @@
+"""Client to server: the part of ``Connection`` that takes the kubelet's bytes.
+
+A chunk is scanned once (``wire.h2.frames``): header blocks are decoded (new calls), and the
+chunk is classified. When it can go upstream as it is -- the common case: no DATA of a held,
+ended or relay-sent stream, no queue, the server's connection window takes its DATA -- it is
+written first and the bookkeeping (messages reassembled, windows counted, control frames
+followed) is done after, so the runtime starts on the call while the relay observes it.
+Otherwise the chunk is rebuilt: held DATA kept (``hold.py``), DATA of streams the relay ended
+dropped, DATA the windows cannot take yet queued, the rest forwarded in order.
+"""
+from __future__ import annotations
+
+from shim.transport.hpack_lite import HpackError
+from shim.transport.relay.calls import request_info
+from shim.transport.relay.writes import send
+from shim.transport.wire.h2 import (
+    ACK,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PADDED,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_HEADER_TABLE_SIZE,
+    TRIMMED,
+    ProtocolError,
+    data_payload,
+    frames,
+    header_block,
+    joined,
+    settings_items,
+)
+
+
+class ClientToServer:
+    def _relay_client(self, data: bytes) -> None:
+        if self.cbuf:
+            data = joined(self.cbuf, data, not self.preface_left)
+            if data is None:
+                return
+            self.cbuf = bytearray()
+        n = len(data)
+        pos = self._preface(data) if self.preface_left else 0
+        units, pos, verbatim, need = self._scan_client(data, pos, n)
+        if pos < n:
+            self.cbuf = bytearray(memoryview(data)[pos:])
+        if verbatim and need <= self.windows.s_conn:
+            if pos:
+                self.upstream.write(data if pos == n else memoryview(data)[:pos])
+            self._observe_client(data, units)
+        else:
+            self._rebuild_client(data, units, pos)
+        self._after()
+
+    def _scan_client(self, data: bytes, pos: int, n: int) -> tuple:
+        """The chunk's complete units, new calls opened from their header blocks; returns
+        (units, where the rest starts, can go upstream verbatim?, DATA bytes in it)."""
+        streams = self.streams
+        ended = self.ended
+        owned = self.windows.streams
+        qsids = self.windows.qsids
+        units = []
+        verbatim = not self.windows.queue
+        need = 0
+        for unit in frames(data, pos, n):
+            ftype, flags, sid, fpos, end = unit
+            if ftype == DATA:
+                call = streams.get(sid)
+                if (call is not None and call.hold is not None) or sid in ended or sid in owned:
+                    verbatim = False
+                need += end - fpos - 9
+            elif ftype == HEADERS:
+                try:
+                    info = self.cdec.info(data[fpos + 9:end] if flags & TRIMMED == END_HEADERS
+                                          else header_block(data, ftype, flags, fpos, end), request_info)
+                except HpackError as e:
+                    raise ProtocolError(f"request headers: {e}") from None
+                if sid > self.last_client_sid:  # else trailers (gRPC clients send none)
+                    self.last_client_sid = sid
+                    call = self._new_call(sid, info)
+                    if flags & END_STREAM and call.hold is not None:
+                        verbatim = False
+                if sid in qsids:
+                    verbatim = False
+            units.append(unit)
+            pos = end
+        return units, pos, verbatim, need
+
+    def _observe_client(self, data: bytes, units: list) -> None:
+        """A chunk already written upstream unchanged: count its DATA, reassemble messages,
+        follow its control frames."""
+        win = self.windows
+        streams = self.streams
+        for ftype, flags, sid, pos, end in units:
+            if ftype == DATA:
+                length = end - pos - 9
+                win.c_conn -= length
+                win.s_conn -= length
+                call = streams.get(sid)
+                if call is not None:
+                    too_big = call.req.feed(data_payload(data, flags, pos, end) if flags & PADDED
+                                            else memoryview(data)[pos + 9:end])
+                    if too_big:
+                        self._too_big(call, too_big, None)
+            elif ftype != HEADERS:
+                self._client_control(ftype, flags, sid, data, pos, end)
+
+    def _client_control(self, ftype: int, flags: int, sid: int, data: bytes, pos: int, end: int) -> None:
+        if ftype == RST_STREAM:
+            self.ended.discard(sid)
+            self.windows.forget(sid)
+            call = self.streams.get(sid)
+            if call is not None:
+                self._finish(call, call.ended_code(self.clock()), "")
+        elif ftype == SETTINGS:
+            if flags & ACK:
+                self.windows.client_acked()
+                return
+            for ident, value in settings_items(data, pos + 9, end):
+                if ident == SETTINGS_HEADER_TABLE_SIZE:
+                    self.sdec.max_allowed = max(self.sdec.max_allowed, value)
+
+    def _rebuild_client(self, data: bytes, units: list, done: int) -> None:
+        """The chunk needs changes: held, dropped or queued DATA, a held stream's end."""
+        streams = self.streams
+        win = self.windows
+        pending: list[bytes] = []  # pieces to write upstream, in order
+        out_start = 0
+        for ftype, flags, sid, pos, end in units:
+            if ftype == DATA:
+                length = end - pos - 9
+                win.c_conn -= length
+                call = streams.get(sid)
+                if call is not None and call.hold is not None:
+                    if out_start < pos:
+                        pending.append(memoryview(data)[out_start:pos])
+                    out_start = end
+                    self._held_data(call, data, pos, end, length, flags, pending)
+                elif sid in self.ended:
+                    if out_start < pos:
+                        pending.append(memoryview(data)[out_start:pos])
+                    out_start = end
+                    if flags & END_STREAM:
+                        self.ended.discard(sid)
+                else:
+                    if call is not None:
+                        too_big = call.req.feed(data_payload(data, flags, pos, end))
+                        if too_big:
+                            if out_start < pos:
+                                pending.append(memoryview(data)[out_start:pos])
+                            out_start = end
+                            send(self.upstream, pending)
+                            self._too_big(call, too_big, None)
+                            continue
+                    if win.queue or length > win.s_conn or sid in win.streams:
+                        if out_start < pos:
+                            pending.append(memoryview(data)[out_start:pos])
+                        out_start = end
+                        send(self.upstream, pending)
+                        win.enqueue(sid, data[pos:end], length)
+                    else:
+                        win.s_conn -= length
+            elif ftype == HEADERS:
+                if sid in win.qsids:  # trailers behind queued DATA of the same stream
+                    if out_start < pos:
+                        pending.append(memoryview(data)[out_start:pos])
+                    out_start = end
+                    send(self.upstream, pending)
+                    win.enqueue(sid, data[pos:end], 0)
+                elif flags & END_STREAM:
+                    call = streams.get(sid)
+                    if call is not None and call.hold is not None:  # a held call without a message
+                        pending.append(memoryview(data)[out_start:end])
+                        out_start = end
+                        send(self.upstream, pending)
+                        self._end_hold(call, pending)
+            else:
+                self._client_control(ftype, flags, sid, data, pos, end)
+        if out_start < done:
+            pending.append(memoryview(data)[out_start:done])
+        send(self.upstream, pending)

@@ -1,0 +1,163 @@
+"""The client-to-server direction's flow-control windows as the relay keeps them.
+
+The relay forwards both peers' WINDOW_UPDATEs, so most of the time it only counts. It takes a
+part of its own only because of held streams: bytes the client sends on a held stream never
+reach the server (the relay gives them back to the client while holding), and the rewritten
+message it sends instead (N' bytes for N) must fit the server's windows. So it tracks:
+
+* ``s_conn``: the server's connection window, what may still go upstream; ``c_conn``: the
+  client's view of it. The client's view never exceeds what the server allows minus what is
+  queued: ``room`` is the difference the relay may grant the client itself.
+* per stream the relay sends DATA on itself (held, then re-sent), the server's stream window
+  (``streams``): the initial window plus the server's WINDOW_UPDATEs minus what was sent.
+* the server's SETTINGS_INITIAL_WINDOW_SIZE as far as the relay may use it for its own DATA:
+  a raised value counts only once the client's ACK of that SETTINGS frame went upstream
+  (grpc-core checks a stream's DATA against the value the peer acknowledged, and resets the
+  stream otherwise), a lowered one at once (the server may apply it on sending).
+* the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
+  order, with the flow-controlled length of each entry.
+
+No I/O: ``drain`` returns the frames that may go now.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from shim.transport.wire.h2 import DATA, END_STREAM, HEADERS
+
+DEFAULT_WINDOW = 65535
+
+
+class Windows:
+    __slots__ = ("s_conn", "c_conn", "initial", "initial_acked", "settings_unacked", "max_frame", "streams",
+                 "queue", "queued", "qsids")
+
+    def __init__(self) -> None:
+        self.s_conn = DEFAULT_WINDOW
+        self.c_conn = DEFAULT_WINDOW
+        self.initial = DEFAULT_WINDOW  # what counts for the relay's own DATA
+        self.initial_acked = DEFAULT_WINDOW
+        self.settings_unacked: deque = deque()  # per server SETTINGS frame not yet acked: its value or None
+        # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
+        # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
+        self.max_frame = 16384
+        self.streams: dict[int, int] = {}  # the server's windows of streams the relay sends on itself
+        self.queue: deque = deque()  # (sid, frame, flow-controlled length)
+        self.queued = 0
+        self.qsids: dict[int, int] = {}  # sid -> its entries in the queue
+
+    # ---------------------------------------------------------------- SETTINGS
+
+    def server_settings(self, initial: int | None) -> None:
+        """A server SETTINGS frame (not an ACK) with its SETTINGS_INITIAL_WINDOW_SIZE or None."""
+        self.settings_unacked.append(initial)
+        if initial is not None:
+            self._apply_initial()
+
+    def client_acked(self) -> None:
+        """The client's SETTINGS ACK went upstream: it acknowledges the server's oldest
+        unacknowledged SETTINGS, before anything the relay sends from now on."""
+        if self.settings_unacked:
+            initial = self.settings_unacked.popleft()
+            if initial is not None:
+                self.initial_acked = initial
+                self._apply_initial()
+
+    def _apply_initial(self) -> None:
+        """The acknowledged initial window, or a lower one still waiting for its ACK; a change
+        moves the windows of the streams the relay sends on (RFC 9113 6.9.2)."""
+        value = self.initial_acked
+        for v in self.settings_unacked:
+            if v is not None and v < value:
+                value = v
+        delta = value - self.initial
+        if delta:
+            self.initial = value
+            streams = self.streams
+            for k in streams:
+                streams[k] += delta
+
+    # ---------------------------------------------------------------- windows
+
+    def own_stream(self, sid: int) -> None:
+        """The relay sends on stream ``sid`` itself from now on: track its server window."""
+        if sid not in self.streams:
+            self.streams[sid] = self.initial
+
+    def server_conn_update(self, inc: int) -> bool:
+        """The server's connection WINDOW_UPDATE: True when the client may have all of it
+        (forward the frame unchanged), False when it must be cut to ``grant()``."""
+        self.s_conn += inc
+        if self.s_conn - self.queued - self.c_conn >= inc:
+            self.c_conn += inc
+            return True
+        return False
+
+    def grant(self) -> int:
+        """What the client may send beyond its view (``room``), now counted as granted."""
+        room = self.s_conn - self.queued - self.c_conn
+        if room > 0:
+            self.c_conn += room
+            return room
+        return 0
+
+    def take(self, sid: int, n: int) -> bool:
+        """``n`` bytes of the relay's own DATA on ``sid`` go now if nothing is queued and both
+        windows take them (then counted); else False."""
+        if self.queue or n > self.s_conn:
+            return False
+        w = self.streams.get(sid)
+        if w is not None:
+            if n > w:
+                return False
+            self.streams[sid] = w - n
+        self.s_conn -= n
+        return True
+
+    # ---------------------------------------------------------------- the queue
+
+    def enqueue(self, sid: int, frame: bytes, flow: int) -> None:
+        self.queue.append((sid, frame, flow))
+        self.queued += flow
+        self.qsids[sid] = self.qsids.get(sid, 0) + 1
+
+    def forget(self, sid: int) -> None:
+        """Stream ``sid`` ended: its queued frames are dropped, its window forgotten."""
+        if sid in self.qsids:
+            keep = deque()
+            for entry in self.queue:
+                if entry[0] == sid:
+                    self.queued -= entry[2]
+                else:
+                    keep.append(entry)
+            self.queue = keep
+            del self.qsids[sid]
+        self.streams.pop(sid, None)
+
+    def drain(self) -> list[bytes]:
+        """The queued frames the windows take now, in order (counted)."""
+        q = self.queue
+        out = []
+        streams = self.streams
+        while q:
+            sid, frame, flow = q[0]
+            if flow:
+                if flow > self.s_conn:
+                    break
+                w = streams.get(sid)
+                if w is not None:
+                    if flow > w:
+                        break
+                    streams[sid] = w - flow
+                self.s_conn -= flow
+            q.popleft()
+            self.queued -= flow
+            left = self.qsids[sid] - 1
+            if left:
+                self.qsids[sid] = left
+            else:
+                del self.qsids[sid]
+            if frame[4] & END_STREAM and frame[3] in (DATA, HEADERS):
+                streams.pop(sid, None)
+            out.append(frame)
+        return out

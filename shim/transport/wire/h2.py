@@ -1,0 +1,155 @@
+"""HTTP/2 frames as the relay (``shim.transport.relay``) and the reconciler's unary client
+(``unary_client.py``) read and write them: frame types, flags, settings, frame building, and
+the one frame scan (``frames``) with its header-block trim (``header_block``) and DATA payload
+(``data_payload``) that every reader uses.
+
+A *unit* is what ``frames`` yields: one frame, or a HEADERS / PUSH_PROMISE frame together with
+its CONTINUATION frames (a header block is decoded and forwarded whole, so nothing is ever
+written between its frames). Positions are offsets into the caller's buffer; nothing is
+copied until the caller asks for a payload."""
+from __future__ import annotations
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = 0x1
+ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+SETTINGS_HEADER_TABLE_SIZE = 0x1
+SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+SETTINGS_MAX_FRAME_SIZE = 0x5
+ERR_CANCEL = 0x8
+MAX_WINDOW = (1 << 31) - 1
+
+def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return bytes((n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, ftype, flags)) + sid.to_bytes(4, "big") + payload
+
+
+def window_update(sid: int, increment: int) -> bytes:
+    return frame(WINDOW_UPDATE, 0, sid, increment.to_bytes(4, "big"))
+
+
+def setting(ident: int, value: int) -> bytes:
+    return ident.to_bytes(2, "big") + value.to_bytes(4, "big")
+
+
+
+
+class ProtocolError(Exception):
+    """A peer sent something that cannot be followed (a broken header block, a stray
+    CONTINUATION, an undecodable HPACK block, a wrong preface): the connection is lost."""
+
+
+def joined(buf: bytearray, data: bytes, check: bool = True, stream_data: bool = False) -> bytes | None:
+    """The kept tail ``buf`` of a peer's earlier bytes followed by ``data``, as bytes; or None
+    while the frame at the start of ``buf`` is still incomplete (``data`` is then kept in
+    ``buf``: it grows in place, so a large frame arriving in many reads is copied once).
+    ``check`` False: no frame to wait for (the connection preface is still being read). With
+    ``stream_data``, an unpadded DATA frame counts as soon as its header is there."""
+    buf += data
+    if check:
+        n = len(buf)
+        if n < 9:
+            return None
+        if n < 9 + ((buf[0] << 16) | (buf[1] << 8) | buf[2]):
+            if not (stream_data and buf[3] == DATA and not buf[4] & PADDED):
+                return None
+    return bytes(buf)
+
+
+def frames(data, pos: int, n: int):
+    """The complete units in ``data[pos:n]``, in order: ``(type, flags, stream id, start, end)``
+    each, ``end`` past the unit's last frame. Stops before the first unit that has not fully
+    arrived; the caller keeps the ``end`` of the last unit it took, which is where the rest
+    starts."""
+    while n - pos >= 9:
+        end = pos + 9 + ((data[pos] << 16) | (data[pos + 1] << 8) | data[pos + 2])
+        if end > n:
+            return
+        ftype = data[pos + 3]
+        flags = data[pos + 4]
+        if ftype == HEADERS or ftype == PUSH_PROMISE:
+            if not flags & END_HEADERS:
+                end = _unit_end(data, end, n)
+                if end < 0:
+                    return
+        elif ftype == CONTINUATION:
+            raise ProtocolError("CONTINUATION without HEADERS")
+        yield ftype, flags, int.from_bytes(data[pos + 5:pos + 9], "big") & 0x7FFFFFFF, pos, end
+        pos = end
+
+
+def _unit_end(data, p: int, n: int) -> int:
+    """The end of the CONTINUATION frames from ``p`` on up to END_HEADERS, -1 if not all arrived."""
+    while True:
+        if n - p < 9:
+            return -1
+        q = p + 9 + ((data[p] << 16) | (data[p + 1] << 8) | data[p + 2])
+        if q > n:
+            return -1
+        if data[p + 3] != CONTINUATION:
+            raise ProtocolError("header block interrupted by another frame")
+        if data[p + 4] & END_HEADERS:
+            return q
+        p = q
+
+
+# flags & TRIMMED == END_HEADERS: a HEADERS frame's payload is its whole header block
+TRIMMED = END_HEADERS | PADDED | PRIORITY_FLAG
+
+
+def header_block(data, ftype: int, flags: int, pos: int, end: int) -> bytes:
+    """The header block fragment of the HEADERS / PUSH_PROMISE unit at ``pos``..``end``: the
+    first frame's without padding, priority or promised stream id, then every CONTINUATION's.
+    A slice of ``data`` (bytes for bytes)."""
+    if flags & TRIMMED == END_HEADERS and ftype == HEADERS:  # the usual block: the payload
+        return data[pos + 9:end]
+    first_end = pos + 9 + ((data[pos] << 16) | (data[pos + 1] << 8) | data[pos + 2])
+    start = pos + 9
+    stop = first_end
+    if flags & PADDED:
+        stop -= data[start]
+        start += 1
+    if ftype == PUSH_PROMISE:
+        start += 4
+    elif flags & PRIORITY_FLAG:
+        start += 5
+    if first_end == end:
+        return data[start:stop]
+    block = bytearray(data[start:stop])
+    p = first_end
+    while p < end:
+        q = p + 9 + ((data[p] << 16) | (data[p + 1] << 8) | data[p + 2])
+        block += data[p + 9:q]
+        p = q
+    return bytes(block)
+
+
+def data_payload(data, flags: int, pos: int, end: int) -> memoryview:
+    """A DATA frame's payload without padding, by reference."""
+    if flags & PADDED:
+        return memoryview(data)[pos + 10:end - data[pos + 9]]
+    return memoryview(data)[pos + 9:end]
+
+
+def settings_items(data, start: int, end: int):
+    """(identifier, value) of each setting in the SETTINGS payload ``data[start:end]``."""
+    for i in range(start, end - 5, 6):
+        yield int.from_bytes(data[i:i + 2], "big"), int.from_bytes(data[i + 2:i + 6], "big")
+
+
+def u31(data, pos: int) -> int:
+    """The 31-bit number at ``pos`` (a stream id, a window increment)."""
+    return int.from_bytes(data[pos:pos + 4], "big") & 0x7FFFFFFF
+
+
+def goaway(last_sid: int) -> bytes:
+    """GOAWAY NO_ERROR with the last stream id the sender processes."""
+    return frame(GOAWAY, 0, 0, last_sid.to_bytes(4, "big") + bytes(4))
+
+
+def rst_stream(sid: int, code: int) -> bytes:
+    return frame(RST_STREAM, 0, sid, code.to_bytes(4, "big"))
