@@ -554,6 +554,7 @@ class Scenario:
         self.replayer: Replayer | None = None
         self.started_init: dict[str, bool] = {}
         self.direct = Cri(CONTAINERD_SOCK)
+        self.on_running = None  # () -> None, once the created containers run (main's stack check)
 
     # -- checks ---------------------------------------------------------------------------------
     def check_container(self, step: str, pod: dict, c: dict, exp: X.ContainerExpectation | None = None) -> None:
@@ -745,6 +746,8 @@ class Scenario:
             if short(c["method"]) == "CreateContainer":
                 self.model.add_container(req, resp)
         self.wait_containers()
+        if self.on_running:
+            self.on_running()
         self.check_all("created")
         self.doctor()
 
@@ -1008,6 +1011,7 @@ class GuardScenario:
 
     def __init__(self, args, report: Report):
         self.args = args
+        self.on_running = None  # () -> None, once the first pod runs (main's stack check)
         self.report = report
         self.name = "guard"
         self.interval = args.guard_interval
@@ -1225,6 +1229,8 @@ class GuardScenario:
         step = "control (guard action none)"
         self.start_shim("control", "none", 19464)
         pod = self.create_pod("guard-control", self.TARGET_OOM)
+        if self.on_running:
+            self.on_running()
         report_rec: dict = {}
 
         def finished(p: dict, s: dict) -> bool:
@@ -1574,25 +1580,28 @@ def load_manifests(directory: str) -> dict:
 
 
 # -- containerd -----------------------------------------------------------------------------------------
-def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Report):
+def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Report, stack: dict):
     from shim.cri import api_pb2 as pb
 
     t = time.time()
     for d in ("containerd", "cni/bin", "cni/net.d"):
         os.makedirs(os.path.join(RUN, d), exist_ok=True)
-    with open(os.path.join(HERE, "containerd.toml.in")) as f:
+    with open(stack["config"]) as f:
         conf = f.read().replace("@ROOT@", RUN).replace("@SYSTEMD_CGROUP@", "true" if systemd else "false")
+    conf = conf.replace("@RUNC@", stack["runc"])
     conf_path = os.path.join(RUN, "containerd", "config.toml")
     with open(conf_path, "w") as f:
         f.write(conf)
     shutil.copy(conf_path, os.path.join(out_logs, "containerd.toml"))
-    proc = spawn(["containerd", "--config", conf_path], "system.slice/containerd.service",
+    # PATH (set in main from the stack) puts the stack's containerd-shim-runc-v2 first: containerd
+    # looks the shim up in PATH; runc is named in the config (BinaryName)
+    proc = spawn([stack["containerd"], "--config", conf_path], "system.slice/containerd.service",
                  os.path.join(out_logs, "containerd.log"))
     wait_for_socket(CONTAINERD_SOCK, proc, 240, "containerd")
     report.timing("containerd-start", time.time() - t)
     t = time.time()
     for tar in images:
-        p = subprocess.run(["ctr", "-a", CONTAINERD_SOCK, "-n", "k8s.io", "images", "import", tar],
+        p = subprocess.run([stack["ctr"], "-a", CONTAINERD_SOCK, "-n", "k8s.io", "images", "import", tar],
                            capture_output=True, text=True, timeout=600)
         with open(os.path.join(out_logs, "ctr-import.log"), "a") as f:
             f.write(f"$ ctr images import {tar}\n{p.stdout}{p.stderr}exit {p.returncode}\n")
@@ -1620,18 +1629,70 @@ def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Re
     return proc
 
 
-def guest_facts() -> dict:
+def guest_facts(stack: dict) -> dict:
     facts = {"kernel": os.uname().release}
     try:
         facts["mem_total_kb"] = int(open("/proc/meminfo").readline().split()[1])
         facts["pid1"] = open("/proc/1/comm").read().strip()
         facts["cgroup_controllers"] = open(os.path.join(CGROOT, "cgroup.controllers")).read().split()
         facts["nproc"] = os.cpu_count()
-        for tool in (["containerd", "--version"], ["runc", "--version"]):
-            facts[tool[0]] = subprocess.run(tool, capture_output=True, text=True).stdout.strip().splitlines()[0]
+        for tool in ("containerd", "runc"):
+            p = subprocess.run([stack[tool], "--version"], capture_output=True, text=True)
+            facts[tool] = (p.stdout.strip() or p.stderr.strip() or f"exit {p.returncode}").splitlines()[0]
     except Exception as e:  # noqa: BLE001
         facts["error"] = str(e)
     return facts
+
+
+def load_stack(path: str) -> dict:
+    """The containerd + runc stack to run (e2e/stacks.py's stack.json); without one, the
+    binaries in PATH (the host's packages) and the 1.x config."""
+    if path:
+        with open(path) as f:
+            stack = json.load(f)
+    else:
+        stack = {"name": "(PATH)", "config": os.path.join(HERE, "containerd.toml.in"), "bin_dirs": []}
+        for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr"):
+            stack[tool] = shutil.which(tool) or tool
+    if stack.get("bin_dirs"):
+        os.environ["PATH"] = os.pathsep.join(stack["bin_dirs"] + [os.environ.get("PATH", "")])
+    return stack
+
+
+def pids_named(comm: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if open(f"/proc/{pid}/comm").read().strip() == comm:
+                    out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def check_stack_binaries(report: Report, stack: dict, containerd_pid: int) -> None:
+    """The processes running are the stack's own binaries (not whatever PATH found first), and
+    containerd answers CRI Version with the stack's version: what the report says was tested is
+    what ran. Called with the pods of the first scenario running (their shims are up)."""
+    from shim.cri import api_pb2 as pb
+
+    why = f"stack {stack['name']}: {stack.get('about', '')}"
+    report.check("*", "stack", "containerd process", f"/proc/{containerd_pid}/exe", stack["containerd"],
+                 os.readlink(f"/proc/{containerd_pid}/exe"), why, "procfs")
+    shims = sorted({os.readlink(f"/proc/{p}/exe") for p in pids_named("containerd-shim")})
+    report.check("*", "stack", "containerd-shim-runc-v2 processes", "/proc/<containerd-shim>/exe",
+                 stack["containerd-shim-runc-v2"], ", ".join(shims) or "(no shim running)", why, "procfs")
+    cri = Cri(CONTAINERD_SOCK)
+    try:
+        v = cri.call("Version", pb.VersionRequest(), timeout=30)
+    finally:
+        cri.close()
+    if stack.get("containerd_version"):
+        report.check("*", "stack", "containerd CRI Version", "runtime.v1 Version.runtime_version",
+                     stack["containerd_version"], v.runtime_version, why, "CRI Version")
+    report.data["stack"]["cri_runtime_version"] = v.runtime_version
+    report.data["stack"]["cri_runtime_api_version"] = v.runtime_api_version
 
 
 def systemd_usable() -> tuple[bool, str]:
@@ -1658,13 +1719,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--manifests", default="")
     ap.add_argument("--driver", default="all", help="cgroupfs, systemd or all")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the reconciler gets to converge")
+    ap.add_argument("--stack", default="", help="stack.json of e2e/stacks.py (default: the binaries in PATH)")
     args = ap.parse_args(argv)
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
     with open(os.path.join(args.out, "guest-started"), "w") as f:
         f.write(f"{time.time()}\n")
     report = Report(args.out)
-    report.data["guest"] = guest_facts()
+    stack = load_stack(args.stack)
+    report.data["guest"] = guest_facts(stack)
+    report.data["stack"] = {
+        "name": stack["name"], "source": stack.get("source", "PATH"),
+        "containerd": report.data["guest"].get("containerd", ""), "runc": report.data["guest"].get("runc", ""),
+        "containerd_version": stack.get("containerd_version", ""), "runc_version": stack.get("runc_version", ""),
+        "packages": stack.get("packages", []), "notes": stack.get("notes", []),
+        "config": os.path.basename(stack["config"]), "cgroup_driver": "cgroupfs",
+        "kernel": report.data["guest"]["kernel"],
+    }
     report.data["shim_checkout"] = CHECKOUT
     report.save()
     log(f"guest up: {report.data['guest']}")
@@ -1687,11 +1758,19 @@ def main(argv: list[str]) -> int:
         if not reconciler[0]:
             log("no reconciler in the checkout: pod/QoS/node values will be reported as skipped")
         images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar", "hog.tar")]
-        containerd = start_containerd(logs, images, False, report)
+        containerd = start_containerd(logs, images, False, report, stack)
         log("containerd ready, images imported")
+        stack_checked: list[bool] = []
+
+        def stack_check() -> None:  # once, with the first pods running
+            if not stack_checked:
+                stack_checked.append(True)
+                check_stack_binaries(report, stack, containerd.pid)
+
         for spec in args.trace:
             name, path = spec.split("=", 1)
             scenario = Scenario(args, report, path, name, reconciler)
+            scenario.on_running = stack_check
             try:
                 scenario.run()
             except InfraError as e:
@@ -1705,6 +1784,7 @@ def main(argv: list[str]) -> int:
                 report.save()
         if args.guard:
             guard = GuardScenario(args, report)
+            guard.on_running = stack_check
             try:
                 guard.run()
             except InfraError as e:
