@@ -1132,8 +1132,19 @@ class GuardScenario:
         from shim.cri import api_pb2 as pb
 
         cri = self.cri or self.direct
-        cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
-        cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+        # a removal that takes over a minute (seconds on a sound runtime) leaves a process dump
+        # and the runtime's goroutine stacks in the logs, taken while it still hangs
+        timers = [threading.Timer(t, dump_processes, (os.path.join(self.logs, "processes.txt"),
+                                                      f"guard: removal of {pod['name']} takes over {t} s"))
+                  for t in (60, 90)]
+        for timer in timers:
+            timer.start()
+        try:
+            cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+            cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+        finally:
+            for timer in timers:
+                timer.cancel()
 
     def status(self, pod: dict):
         from shim.cri import api_pb2 as pb
@@ -1669,6 +1680,44 @@ def pids_named(comm: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def dump_processes(path: str, title: str) -> None:
+    """For a call that hangs: every process with its state, kernel wait channel, cgroup and
+    command line, the kernel stack of those in D state or of the runtime (runc, shims); then
+    SIGUSR1 to containerd and its shims, which makes them log their goroutine stacks
+    (containerd.log)."""
+    lines = [f"### {title} (t+{time.time() - T0:.1f}s)"]
+    signalled = []
+    for pid in sorted((int(p) for p in os.listdir("/proc") if p.isdigit())):
+        try:
+            comm = open(f"/proc/{pid}/comm").read().strip()
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            state = stat[0]
+            hz = os.sysconf("SC_CLK_TCK")
+            uptime = float(open("/proc/uptime").read().split()[0])
+            age = f"age={uptime - int(stat[19]) / hz:.1f}s cpu={(int(stat[11]) + int(stat[12])) / hz:.1f}s"
+            wchan = open(f"/proc/{pid}/wchan").read().strip()
+            cgroup = open(f"/proc/{pid}/cgroup").read().strip().split("::", 1)[-1]
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:300]
+        except OSError:
+            continue
+        lines.append(f"{pid} {state} {comm} {age} wchan={wchan} cgroup={cgroup} {cmd}")
+        if state == "D" or comm.startswith(("runc", "containerd")):
+            try:
+                lines.append("    " + open(f"/proc/{pid}/stack").read().strip().replace("\n", "\n    "))
+            except OSError as e:
+                lines.append(f"    (no kernel stack: {e})")
+        if comm.startswith("containerd"):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                signalled.append(pid)
+            except OSError:
+                pass
+    lines.append(f"SIGUSR1 (goroutine dump into containerd.log) sent to {signalled}")
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    log(f"{title}: processes dumped to {path}")
 
 
 def check_stack_binaries(report: Report, stack: dict, containerd_pid: int) -> None:
