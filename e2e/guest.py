@@ -1140,8 +1140,18 @@ class GuardScenario:
         for timer in timers:
             timer.start()
         try:
-            cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
-            cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
+            cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]), timeout=150)
+            cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]), timeout=150)
+        except cri.grpc.RpcError as e:
+            # Not an assertion of the suite: the pod is only removed to leave a clean node for
+            # the next phase, whose pods are new ones. A runtime that cannot remove it (seen with
+            # containerd 2.1 + runc 1.3: its `runc kill --all` on the task's delete outlives
+            # containerd's 10 s event timeout again and again) is recorded and shown, not hidden.
+            what = (f"guard: StopPodSandbox/RemovePodSandbox of {pod['name']} ({pod['sandbox'][:12]}) did not "
+                    f"finish in 150 s: {e.code().name}; the phase goes on beside the stuck pod (see processes.txt, "
+                    "containerd.log)")
+            self.report.data.setdefault("runtime_hangs", []).append(what)
+            log(what)
         finally:
             for timer in timers:
                 timer.cancel()
@@ -1568,11 +1578,18 @@ class GuardScenario:
 
         self.stop_shim()
         try:
-            for sb in self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items:
-                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id))
-                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id))
+            sandboxes = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
         except Exception as e:  # noqa: BLE001
             log(f"guard teardown: {e}")
+            sandboxes = []
+        for sb in sandboxes:  # each on its own: one stuck pod does not keep the others
+            try:
+                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=90)
+                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=90)
+            except Exception as e:  # noqa: BLE001
+                what = f"guard teardown: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed in 90 s: {e}"
+                self.report.data.setdefault("runtime_hangs", []).append(what[:300])
+                log(what[:300])
         remove_cgroup_tree("kubepods")
         self.direct.close()
 
