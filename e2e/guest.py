@@ -868,11 +868,19 @@ class Scenario:
         if self.shim_cri:
             self.shim_cri.close()
         try:
-            for sb in self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items:
-                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id))
-                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id))
+            sandboxes = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
         except Exception as e:  # noqa: BLE001
             log(f"teardown: {e}")
+            sandboxes = []
+        for sb in sandboxes:  # each on its own: one stuck pod does not keep the others
+            try:
+                stop_gently(self.direct, sb.id)
+                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=120)
+                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=120)
+            except Exception as e:  # noqa: BLE001
+                what = f"{self.name} teardown: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed: {e}"
+                self.report.data.setdefault("runtime_hangs", []).append(what[:300])
+                log(what[:300])
         remove_cgroup_tree("kubepods")
         self.direct.close()
 
@@ -1140,6 +1148,7 @@ class GuardScenario:
         for timer in timers:
             timer.start()
         try:
+            stop_gently(cri, pod["sandbox"])
             cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]), timeout=150)
             cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]), timeout=150)
         except cri.grpc.RpcError as e:
@@ -1584,6 +1593,7 @@ class GuardScenario:
             sandboxes = []
         for sb in sandboxes:  # each on its own: one stuck pod does not keep the others
             try:
+                stop_gently(self.direct, sb.id)
                 self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=90)
                 self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=90)
             except Exception as e:  # noqa: BLE001
@@ -1697,6 +1707,21 @@ def pids_named(comm: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def stop_gently(cri: "Cri", sandbox_id: str, grace: int = 10) -> None:
+    """StopContainer (SIGTERM, then SIGKILL after `grace` s) for each container of a pod that is
+    not exited, before the pod's StopPodSandbox: what the kubelet does. StopPodSandbox alone
+    SIGKILLs running containers at once; with the runc of Debian trixie and sid unpacked here
+    (stacks 1.7 and 2.x) the task delete that follows such a kill sometimes never completes
+    (README, "Stack matrix"); every container of the suite exits on SIGTERM (busybox with a TERM
+    trap, e2e/hog.c)."""
+    from shim.cri import api_pb2 as pb
+
+    flt = pb.ContainerFilter(pod_sandbox_id=sandbox_id)
+    for c in cri.call("ListContainers", pb.ListContainersRequest(filter=flt), timeout=60).containers:
+        if c.state != pb.CONTAINER_EXITED:
+            cri.call("StopContainer", pb.StopContainerRequest(container_id=c.id, timeout=grace), timeout=grace + 90)
 
 
 def dump_processes(path: str, title: str) -> None:
