@@ -224,3 +224,50 @@ def test_real_kernel_suite(tmp_path):
     assert phases["control"]["timings"]["action_after_hot"] is not None
     for pod in ("guard-oom", "guard-complete"):
         assert phases["guard"][pod]["relax_record"]["new"] == "max"
+
+
+def test_e2e_vm_rejects_an_unknown_stack():
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--stack", "1.5", "--no-install"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "--stack must be one of: 1.6 1.7 2.x" in p.stderr
+
+
+def test_stack_config_templates_fill_the_same_placeholders():
+    """Both containerd configs (1.x: version 2, 2.x: version 3) take the same placeholders, name
+    the runc binary and the local sandbox image, and 2.x's uses 2.x's plugin names only."""
+    import stacks
+
+    texts = {}
+    for name, spec in stacks.STACKS.items():
+        with open(os.path.join(ROOT, "e2e", spec["config"])) as f:
+            texts[name] = f.read()
+        for ph in ("@ROOT@", "@SYSTEMD_CGROUP@", "@RUNC@"):
+            assert ph in texts[name], (name, ph)
+        assert re.search(r'BinaryName = "@RUNC@"', texts[name])
+    assert "version = 2" in texts["1.7"] and 'sandbox_image = "localhost/pause:e2e"' in texts["1.7"]
+    v3 = texts["2.x"]
+    assert "version = 3" in v3 and "io.containerd.grpc.v1.cri" not in v3
+    assert re.search(r'pinned_images\]\s+sandbox = "localhost/pause:e2e"', v3)
+
+
+def test_stack_mirror_and_matrix(tmp_path, monkeypatch, capsys):
+    import stacks
+
+    monkeypatch.setenv("E2E_DEBIAN_MIRROR", "http://mirror.invalid/debian/")
+    assert stacks.mirror() == "http://mirror.invalid/debian"
+    reports = {"1.6": ("pass", 40, 0, 1), "2.x": ("fail", 38, 2, 1)}
+    for name, (status, passed, failed, skipped) in reports.items():
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "report.json", "w") as f:
+            json.dump({"status": status, "summary": {"passed": passed, "failed": failed, "skipped": skipped},
+                       "stack": {"containerd_version": name + ".0", "runc_version": "1.1.5",
+                                 "cgroup_driver": "cgroupfs", "kernel": "6.1.0-56-amd64"},
+                       "host": {"wall_s": 300}}, f)
+    assert stacks.matrix(str(tmp_path), ["1.6=0", "2.x=1", "1.7=3"]) == 3  # 1.7 wrote no report
+    out = capsys.readouterr().out
+    assert "MATRIX 2.x | 2.x.0 | 1.1.5 | cgroupfs | 6.1.0-56-amd64 | fail (exit 1) | 38/2/1 | 300s" in out
+    assert "MATRIX 1.7 | None" in out and "no report" in out
+    assert out.rstrip().endswith("e2e-vm: 78 passed, 2 failed, 2 skipped")
+    with open(tmp_path / "matrix.json") as f:
+        assert [r["stack"] for r in json.load(f)["stacks"]] == ["1.6", "2.x", "1.7"]
+    assert stacks.matrix(str(tmp_path), ["1.6=0"]) == 0
