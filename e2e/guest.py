@@ -2394,6 +2394,22 @@ def systemd_usable() -> tuple[bool, str]:
                    "(the systemd driver is proven by scripts/e2e-vm --guest systemd)")
 
 
+def run_scenario(name: str, scenario, report: Report) -> None:
+    """Run one scenario; an error in it is recorded and the next scenario still runs. Its
+    teardown always runs and the report is saved after it."""
+    try:
+        scenario.run()
+    except InfraError as e:
+        report.data["errors"].append(f"{name}: {e}")
+        log(f"INFRA ERROR in {name}: {e}")
+    except Exception:  # noqa: BLE001
+        report.data["errors"].append(f"{name}: {traceback.format_exc()}")
+        log(f"ERROR in {name}: {traceback.format_exc()}")
+    finally:
+        scenario.teardown()
+        report.save()
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -2464,44 +2480,13 @@ def main(argv: list[str]) -> int:
             name, path = spec.split("=", 1)
             scenario = Scenario(args, report, path, name, reconciler)
             scenario.on_running = stack_check
-            try:
-                scenario.run()
-            except InfraError as e:
-                report.data["errors"].append(f"{name}: {e}")
-                log(f"INFRA ERROR in {name}: {e}")
-            except Exception:  # noqa: BLE001
-                report.data["errors"].append(f"{name}: {traceback.format_exc()}")
-                log(f"ERROR in {name}: {traceback.format_exc()}")
-            finally:
-                scenario.teardown()
-                report.save()
+            run_scenario(name, scenario, report)
         if args.guard:
             guard = GuardScenario(args, report)
             guard.on_running = stack_check
-            try:
-                guard.run()
-            except InfraError as e:
-                report.data["errors"].append(f"guard: {e}")
-                log(f"INFRA ERROR in guard: {e}")
-            except Exception:  # noqa: BLE001
-                report.data["errors"].append(f"guard: {traceback.format_exc()}")
-                log(f"ERROR in guard: {traceback.format_exc()}")
-            finally:
-                guard.teardown()
-                report.save()
+            run_scenario("guard", guard, report)
         if args.reclaim:
-            rec = ReclaimScenario(args, report)
-            try:
-                rec.run()
-            except InfraError as e:
-                report.data["errors"].append(f"reclaim: {e}")
-                log(f"INFRA ERROR in reclaim: {e}")
-            except Exception:  # noqa: BLE001
-                report.data["errors"].append(f"reclaim: {traceback.format_exc()}")
-                log(f"ERROR in reclaim: {traceback.format_exc()}")
-            finally:
-                rec.teardown()
-                report.save()
+            run_scenario("reclaim", ReclaimScenario(args, report), report)
         if not args.trace and not args.guard and not args.reclaim:
             raise InfraError("nothing to run: no --trace, no --guard, no --reclaim")
     except InfraError as e:
