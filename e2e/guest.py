@@ -864,26 +864,11 @@ class Scenario:
     def teardown(self) -> None:
         """Stop the shim, remove every pod straight through containerd, remove the kubepods tree:
         the next scenario starts on a clean node."""
-        from shim.cri import api_pb2 as pb
-
         if self.shim.proc and self.shim.proc.poll() is None:
             self.shim.kill(signal.SIGTERM)
         if self.shim_cri:
             self.shim_cri.close()
-        try:
-            sandboxes = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
-        except Exception as e:  # noqa: BLE001
-            log(f"teardown: {e}")
-            sandboxes = []
-        for sb in sandboxes:  # each on its own: one stuck pod does not keep the others
-            try:
-                stop_gently(self.direct, sb.id)
-                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=120)
-                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=120)
-            except Exception as e:  # noqa: BLE001
-                what = f"{self.name} teardown: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed: {e}"
-                self.report.data.setdefault("runtime_hangs", []).append(what[:300])
-                log(what[:300])
+        remove_every_pod(self.direct, self.report, f"{self.name} teardown", timeout=120)
         remove_cgroup_tree("kubepods")
         self.direct.close()
 
@@ -1586,23 +1571,8 @@ class GuardScenario:
         self.report.timing("guard:total", time.time() - t)
 
     def teardown(self) -> None:
-        from shim.cri import api_pb2 as pb
-
         self.stop_shim()
-        try:
-            sandboxes = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
-        except Exception as e:  # noqa: BLE001
-            log(f"guard teardown: {e}")
-            sandboxes = []
-        for sb in sandboxes:  # each on its own: one stuck pod does not keep the others
-            try:
-                stop_gently(self.direct, sb.id)
-                self.direct.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=90)
-                self.direct.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=90)
-            except Exception as e:  # noqa: BLE001
-                what = f"guard teardown: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed in 90 s: {e}"
-                self.report.data.setdefault("runtime_hangs", []).append(what[:300])
-                log(what[:300])
+        remove_every_pod(self.direct, self.report, "guard teardown", timeout=90)
         remove_cgroup_tree("kubepods")
         self.direct.close()
 
@@ -2306,6 +2276,27 @@ def pids_named(comm: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def remove_every_pod(cri: "Cri", report: "Report", what: str, timeout: float) -> None:
+    """Stop and remove every pod the runtime has, each on its own (one stuck pod does not keep
+    the others); a pod the runtime cannot remove within `timeout` is recorded as a runtime hang."""
+    from shim.cri import api_pb2 as pb
+
+    try:
+        sandboxes = cri.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
+    except Exception as e:  # noqa: BLE001
+        log(f"{what}: {e}")
+        return
+    for sb in sandboxes:
+        try:
+            stop_gently(cri, sb.id)
+            cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=timeout)
+            cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            line = f"{what}: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed in {timeout:g} s: {e}"
+            report.data.setdefault("runtime_hangs", []).append(line[:300])
+            log(line[:300])
 
 
 def stop_gently(cri: "Cri", sandbox_id: str, grace: int = 10) -> None:
