@@ -74,7 +74,9 @@ class Guest:
         with open(self.kubelet_config, "w") as f:  # JSON is YAML
             json.dump({"kind": "KubeletConfiguration", "apiVersion": "kubelet.config.k8s.io/v1beta1",
                        "cgroupDriver": "systemd", "cgroupsPerQOS": True, "cgroupRoot": "/",
-                       "memoryThrottlingFactor": FACTOR}, f)
+                       # the kubelet writes no memory values itself (gate off), so every value is the
+                       # shim's; the factor is the shim's memory.high factor (--factor auto reads it)
+                       "featureGates": {"MemoryQoS": False}, "memoryThrottlingFactor": FACTOR}, f)
         self.pods: dict[str, dict] = {}
         self.shim_unit: str | None = None
         self.phase = ""
