@@ -620,7 +620,7 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(args.out, "guest-started"), "w") as f:
         f.write(f"{time.time()}\n")
     report = G.Report(args.out)
-    report.data["guest"] = G.guest_facts()
+    report.data["guest"] = G.guest_facts(G.load_stack(""))  # the image's containerd and runc, from PATH
     report.data["guest"]["uptime_at_start_s"] = float(open("/proc/uptime").read().split()[0])
     report.data["shim_checkout"] = CHECKOUT
     report.save()
