@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,7 @@ class Guest:
             os.makedirs(os.path.join(RUN, d), exist_ok=True)
         with open(os.path.join(HERE, "containerd.toml.in")) as f:
             conf = f.read().replace("@ROOT@", RUN).replace("@SYSTEMD_CGROUP@", "true")
+        conf = conf.replace("@RUNC@", shutil.which("runc") or "runc")  # the image's runc
         conf_path = os.path.join(RUN, "containerd", "config.toml")
         with open(conf_path, "w") as f:
             f.write(conf)
