@@ -893,16 +893,43 @@ class Scenario:
 
 
 # -- the PSI guard on a real kernel ---------------------------------------------------------------
-def parse_pressure(text: str) -> dict[str, float]:
-    """memory.pressure -> {'some': avg10, 'full': avg10} (percent). Own parsing, not the shim's."""
-    out = {}
+def parse_pressure_full(text: str) -> dict[str, dict[str, float]]:
+    """memory.pressure -> {'some': {'avg10': .., 'total': ..}, 'full': {...}} (total in µs). Own parsing, not the shim's."""
+    out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         parts = line.split()
         if parts and parts[0] in ("some", "full"):
+            vals = {}
             for kv in parts[1:]:
-                if kv.startswith("avg10="):
-                    out[parts[0]] = float(kv[len("avg10="):])
+                k, _, v = kv.partition("=")
+                try:
+                    vals[k] = float(v)
+                except ValueError:
+                    pass
+            out[parts[0]] = vals
     return out
+
+
+def parse_pressure(text: str) -> dict[str, float]:
+    """memory.pressure -> {'some': avg10, 'full': avg10} (percent)."""
+    return {kind: v["avg10"] for kind, v in parse_pressure_full(text).items() if "avg10" in v}
+
+
+def sample_container(pod: dict) -> tuple[dict, dict | None]:
+    """One sample of a scenario pod's container cgroup: time since the pod started,
+    memory.current / high / events, and the parsed memory.pressure (None, with "gone", when the
+    cgroup no longer exists)."""
+    cg = pod["cg"]
+    t = time.time()
+    s: dict = {"t": round(t - pod["t_start"], 2), "wall": round(t, 3)}
+    if not os.path.isdir(CGROOT + cg):
+        s["gone"] = True
+        return s, None
+    cur = cg_read(cg, "memory.current")
+    s["current"] = int(cur) if cur.isdigit() else None
+    s["high"] = cg_read(cg, "memory.high")
+    s["events"] = parse_events(cg_read(cg, "memory.events"))
+    return s, parse_pressure_full(cg_read(cg, "memory.pressure"))
 
 
 def parse_events(text: str) -> dict[str, int]:
@@ -1181,18 +1208,9 @@ class GuardScenario:
 
     # -- watching
     def sample(self, pod: dict, phase: str) -> dict:
-        cg = pod["cg"]
-        t = time.time()
-        s: dict = {"t": round(t - pod["t_start"], 2), "wall": round(t, 3)}
-        if os.path.isdir(CGROOT + cg):
-            cur = cg_read(cg, "memory.current")
-            s["current"] = int(cur) if cur.isdigit() else None
-            s["high"] = cg_read(cg, "memory.high")
-            s["events"] = parse_events(cg_read(cg, "memory.events"))
-            p = parse_pressure(cg_read(cg, "memory.pressure"))
-            s["full"], s["some"] = p.get("full"), p.get("some")
-        else:
-            s["gone"] = True
+        s, p = sample_container(pod)
+        if p is not None:
+            s["full"], s["some"] = p.get("full", {}).get("avg10"), p.get("some", {}).get("avg10")
         s["pod_events"] = parse_events(cg_read(pod["parent"], "memory.events"))
         hog = hog_progress(pod["log"])
         s["hog_mib"], s["hog_done"] = hog["mib"], hog["done"]
@@ -1599,23 +1617,6 @@ class GuardScenario:
 
 
 # -- proactive reclaim on a real kernel -------------------------------------------------------------
-def parse_pressure_full(text: str) -> dict[str, dict[str, float]]:
-    """memory.pressure -> {'some': {'avg10': .., 'total': ..}, 'full': {...}} (total in µs)."""
-    out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if parts and parts[0] in ("some", "full"):
-            vals = {}
-            for kv in parts[1:]:
-                k, _, v = kv.partition("=")
-                try:
-                    vals[k] = float(v)
-                except ValueError:
-                    pass
-            out[parts[0]] = vals
-    return out
-
-
 class ReclaimScenario:
     """Issue J: proactive reclaim (memory.reclaim) on a real kernel, without and with, in one boot.
 
@@ -1834,22 +1835,14 @@ class ReclaimScenario:
 
     def sample(self, pod: dict, phase: str) -> dict:
         cg = pod["cg"]
-        t = time.time()
-        s: dict = {"t": round(t - pod["t_start"], 2), "wall": round(t, 3)}
-        if os.path.isdir(CGROOT + cg):
-            cur = cg_read(cg, "memory.current")
-            s["current"] = int(cur) if cur.isdigit() else None
-            s["high"] = cg_read(cg, "memory.high")
-            s["events"] = parse_events(cg_read(cg, "memory.events"))
-            p = parse_pressure_full(cg_read(cg, "memory.pressure"))
+        s, p = sample_container(pod)
+        if p is not None:
             for kind in ("some", "full"):
                 s[kind] = p.get(kind, {}).get("avg10")
                 s[f"{kind}_total_us"] = p.get(kind, {}).get("total")
             st = parse_events(cg_read(cg, "memory.stat"))
             s["file"], s["anon"] = st.get("file"), st.get("anon")
             s["refault_file"] = st.get("workingset_refault_file")
-        else:
-            s["gone"] = True
         if pod["kind"] == "reader":
             s["loops"] = self.loops(pod["log"])
         else:
