@@ -5,7 +5,7 @@ Started by scripts/e2e-vm with the checkout's .venv python. It
   1. enables the cgroup controllers, starts containerd (root/state on tmpfs) in
      /system.slice/containerd.service and imports the local images;
   2. per scenario (one recorded kubelet trace each): starts the shim from the checkout in
-     /system.slice/memqos-shim.service in front of containerd, replays the kubelet's own
+     /system.slice/memqos-shim.app.service in front of containerd, replays the kubelet's own
      requests (ImageStatus, RunPodSandbox, CreateContainer, StartContainer, later StopContainer,
      StopPodSandbox, RemoveContainer, RemovePodSandbox) through the shim's socket with the
      recorded ids mapped to the new ones, and reads back /sys/fs/cgroup after each step:
@@ -145,7 +145,7 @@ def setup_cgroups() -> None:
     if "memory" not in want:
         raise InfraError(f"no memory controller in {CGROOT}/cgroup.controllers: {controllers}")
     cg_write("", "cgroup.subtree_control", " ".join("+" + c for c in want))
-    for d in ("system.slice", "system.slice/containerd.service", "system.slice/memqos-shim.service"):
+    for d in ("system.slice", "system.slice/containerd.service", "system.slice/memqos-shim.app.service"):
         os.makedirs(os.path.join(CGROOT, d), exist_ok=True)
 
 
@@ -439,7 +439,7 @@ class Shim:
         os.makedirs(os.path.dirname(SHIM_SOCK), exist_ok=True)
         with open(self.log, "a") as f:
             f.write(f"==== start t+{time.time() - T0:.1f}s: {self.python} -m shim serve {' '.join(self.args)}\n")
-        self.proc = spawn([self.python, "-m", "shim", "serve", *self.args], "system.slice/memqos-shim.service",
+        self.proc = spawn([self.python, "-m", "shim", "serve", *self.args], "system.slice/memqos-shim.app.service",
                           self.log, env=self.env(), cwd=CHECKOUT)
         wait_for_socket(SHIM_SOCK, self.proc, 180, "memqos-shim")
         # The socket may be a leftover of a killed shim: wait until the new one answers.

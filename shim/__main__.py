@@ -1,3 +1,3 @@
-from shim.cli import main
+from shim.app.cli import main
 
 raise SystemExit(main())

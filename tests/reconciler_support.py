@@ -214,9 +214,9 @@ class ServiceThread:
     """The real Service (from `serve` flags) on its own event loop in a thread."""
 
     def __init__(self, argv: list[str]):
-        from shim.cli import build_parser
-        from shim.config import resolve
-        from shim.service import Service
+        from shim.app.cli import build_parser
+        from shim.app.config import resolve
+        from shim.app.service import Service
 
         args = build_parser().parse_args(["serve", *argv])
         self.cfg = resolve(args)

@@ -64,7 +64,7 @@ def test_serve_rejects_bad_factor():
 def test_config_precedence(tmp_path):
     import argparse
 
-    from shim.config import add_arguments, resolve
+    from shim.app.config import add_arguments, resolve
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("factor: 0.7\npolicy: tiered\nnode_allocatable: 30Gi\n")

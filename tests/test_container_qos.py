@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shim.container_qos import ContainerMemoryQoS, container_note
+from shim.container.rewriter import ContainerMemoryQoS, container_note
 from shim.cri import pb
 from shim.decision import NodeFacts, Policy
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall

@@ -2,7 +2,7 @@
 real unix sockets, driven by a kubelet-shaped client."""
 import json
 
-from shim import demo
+from shim.tools import demo
 
 
 def test_demo_rewrites_every_pod(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The docs cannot drift from the code: the worked examples of docs/memory-qos.md are
-recomputed with shim.decision / shim.node_state, and every relative link in README.md and
+recomputed with shim.decision / shim.node.state, and every relative link in README.md and
 docs/ must point at a file of the repository."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from shim.decision import (
     parse_cgroup_parent,
     resolve_request,
 )
-from shim.node_state import ContainerRecord, pod_request
+from shim.node.state import ContainerRecord, pod_request
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -202,8 +202,8 @@ def test_pod_request_example():
 
 
 def test_section_numbers_the_code_cites():
-    """Code comments cite "reference section N" (shim/decision/memory.py: 1, shim/reconciler.py: 2,
-    shim/node.py: 3, shim/decision/guard.py: 4)."""
+    """Code comments cite "reference section N" (shim/decision/memory.py: 1, shim/node/reconciler.py: 2,
+    shim/node/facts.py: 3, shim/decision/guard.py: 4)."""
     headings = re.findall(r"^## (\d+)\. (.+)$", MEMORY_QOS.read_text(encoding="utf-8"), flags=re.M)
     numbered = {int(n): title for n, title in headings}
     assert numbered[1].startswith("Container level")
@@ -262,7 +262,7 @@ def _example_state():
 @pytest.mark.parametrize("row", table(MEMORY_QOS, ["policy", "kubepods min / low"]), ids=lambda r: r["policy"])
 def test_pod_qos_node_example_per_policy(row):
     from shim.effects import CgroupLayout
-    from shim.reconciler import compute_targets
+    from shim.node.reconciler import compute_targets
 
     targets, refusals = compute_targets(_example_state(), CgroupLayout("cgroupfs"), _policy(row["policy"]), 4096)
     assert refusals == []
@@ -294,8 +294,8 @@ OWNERSHIP = table(MEMORY_QOS, ["kubelet", "KubeletConfiguration", "shim policy"]
 
 @pytest.mark.parametrize("row", OWNERSHIP, ids=lambda r: f"{r['kubelet']}-{r['KubeletConfiguration']}-{r['shim policy']}")
 def test_ownership_table(row):
-    from shim.kubelet_model import LABELS, kubelet_writes, ownership, parse_version
-    from shim.node import kubelet_facts_from_dict
+    from shim.node.kubelet import LABELS, kubelet_writes, ownership, parse_version
+    from shim.node.facts import kubelet_facts_from_dict
 
     version = None if row["kubelet"] == "unknown" else parse_version(row["kubelet"])
     writes = kubelet_writes(kubelet_facts_from_dict(_kubelet_doc(row["KubeletConfiguration"]), "docs"), version)
@@ -308,8 +308,8 @@ V137_ALLOC = 2060419072 - 200 * MI
 
 
 def _v137(cell: str):
-    from shim.kubelet_model import kubelet_writes, ownership
-    from shim.node import kubelet_facts_from_dict
+    from shim.node.kubelet import kubelet_writes, ownership
+    from shim.node.facts import kubelet_facts_from_dict
 
     base = {"cgroupDriver": "cgroupfs", "kubeReserved": {"memory": "100Mi"}, "systemReserved": {"memory": "100Mi"}}
     kubelet = kubelet_facts_from_dict({**base, **_kubelet_doc(cell)}, "docs")
@@ -325,8 +325,8 @@ def _unified_cell(cell: str) -> dict[str, str]:
 @pytest.mark.parametrize("row", table(MEMORY_QOS, ["1.37 kubelet", "container"]),
                          ids=lambda r: f"{r['1.37 kubelet']}-{r['container']}")
 def test_v137_worked_example_containers(row):
-    from shim.kubelet_requests import kubelet_unified
-    from shim.node import node_facts
+    from shim.testing.kubelet_requests import kubelet_unified
+    from shim.node.facts import node_facts
 
     assert "1850703872" in MEMORY_QOS.read_text(encoding="utf-8") and V137_ALLOC == 1850703872
     kubelet, writes, owners = _v137(row["1.37 kubelet"])
@@ -359,7 +359,7 @@ def test_v137_worked_example_arithmetic_in_the_prose():
                          ids=lambda r: r["1.37 kubelet"])
 def test_v137_worked_example_pod_qos_node(row):
     from shim.effects import CgroupLayout
-    from shim.reconciler import compute_targets
+    from shim.node.reconciler import compute_targets
 
     _, writes, owners = _v137(row["1.37 kubelet"])
     scopes = owners.kubelet_scopes()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shim.config import OPTIONS, resolve
-from shim.doctor import FAIL, PASS, WARN, Doctor, Env, cmd_doctor, kernel_version
+from shim.app.config import OPTIONS, resolve
+from shim.tools.doctor import FAIL, PASS, WARN, Doctor, Env, cmd_doctor, kernel_version
 
 UID = "11111111-2222-3333-4444-555555555555"
 
@@ -206,7 +206,7 @@ def test_kubelet_endpoint_from_env_file(node):
 
 
 def test_upstream_and_shim_socket_against_the_fake_runtime():
-    from shim.fake_runtime import FakeRuntimeServer
+    from shim.testing.fake_runtime import FakeRuntimeServer
 
     base = Path(tempfile.mkdtemp(prefix="mqd-"))
     with FakeRuntimeServer(base / "rt.sock") as rt:
@@ -253,7 +253,7 @@ def test_a_crashing_check_is_a_fail_line_not_a_traceback(node, capsys, monkeypat
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(Doctor, "check_psi", boom)
-    monkeypatch.setattr("shim.doctor.DEFAULT_CONFIG", str(node / "no-such-config.yaml"))
+    monkeypatch.setattr("shim.tools.doctor.DEFAULT_CONFIG", str(node / "no-such-config.yaml"))
     args = argparse.Namespace(config=None, **{o.name.replace("-", "_"): None for o in OPTIONS})
     args.cgroup_root = str(node / "cg")
     rc = cmd_doctor(args, env(fake_proc(node)))
@@ -273,8 +273,8 @@ def test_bad_config_file_is_a_fail_line(node, capsys):
 
 
 def test_exit_code_zero_without_fail(node, capsys, monkeypatch):
-    monkeypatch.setattr(Doctor, "check_upstream", lambda self: __import__("shim.doctor").doctor.Result("upstream", PASS, "ok"))
-    monkeypatch.setattr("shim.doctor.DEFAULT_CONFIG", str(node / "no-such-config.yaml"))
+    monkeypatch.setattr(Doctor, "check_upstream", lambda self: __import__("shim.tools.doctor").tools.doctor.Result("upstream", PASS, "ok"))
+    monkeypatch.setattr("shim.tools.doctor.DEFAULT_CONFIG", str(node / "no-such-config.yaml"))
     args = argparse.Namespace(config=None, **{o.name.replace("-", "_"): None for o in OPTIONS})
     args.cgroup_root = str(node / "cg")
     args.kubelet_config = str(node / "kubelet.yaml")
@@ -287,7 +287,7 @@ def test_exit_code_zero_without_fail(node, capsys, monkeypatch):
 
 
 def test_cli_registers_doctor():
-    from shim.cli import build_parser
+    from shim.app.cli import build_parser
 
     args = build_parser().parse_args(["doctor", "--cgroup-root", "/x"])
     assert args.func is cmd_doctor

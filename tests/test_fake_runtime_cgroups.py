@@ -9,8 +9,8 @@ import json
 import pytest
 
 from shim.cri import pb
-from shim.fake_runtime import FakeRuntime, container_cgroup, expand_slice
-from shim.kubelet_requests import create_container, sandbox_config
+from shim.testing.fake_runtime import FakeRuntime, container_cgroup, expand_slice
+from shim.testing.kubelet_requests import create_container, sandbox_config
 
 UID = "b1013052-e446-98fd-e2f5-96c3bd9b3930"
 U_ = UID.replace("-", "_")
@@ -116,8 +116,8 @@ def test_without_a_cgroup_root_nothing_is_written(tmp_path):
 def test_the_shims_monitor_finds_the_fakes_container_cgroup(tmp_path, driver):
     """The directory the fake makes is the one the shim's monitor resolves for the container."""
     from shim.decision.guard import GuardConfig
-    from shim.monitor import ContainerRef, Monitor
-    from shim.node import KubeletFacts
+    from shim.guard.monitor import ContainerRef, Monitor
+    from shim.node.facts import KubeletFacts
 
     rt = FakeRuntime(cgroup_driver=driver, cgroup_root=str(tmp_path))
     (tmp_path / "cgroup.controllers").write_text("memory\n")

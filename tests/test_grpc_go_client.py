@@ -44,12 +44,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-import shim.fake_runtime.runtime as fake_runtime_module
+import shim.testing.fake_runtime.runtime as fake_runtime_module
 from shim.cri import pb
-from shim.fake_runtime import FakeRuntimeServer
-from shim.kubelet_requests import create_container, sandbox_config
+from shim.testing.fake_runtime import FakeRuntimeServer
+from shim.testing.kubelet_requests import create_container, sandbox_config
 from shim.evidence.trace import open_text
-from shim.traces import MEMQOS_OFF, trace_file
+from shim.testing.traces import MEMQOS_OFF, trace_file
 
 try:
     from tests.test_serve import ALLOC, CAPACITY, Shim, expected_high, short_dir

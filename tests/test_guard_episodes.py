@@ -1,4 +1,4 @@
-"""The memory.high guard across a shim restart (shim/guard_episodes.py): a container the guard
+"""The memory.high guard across a shim restart (shim/guard/episodes.py): a container the guard
 relaxed gets its computed memory.high back from the next shim once it is calm; the episode file
 is trusted only when it is the shim's own, and its entries are checked like request data."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import stat
 from types import SimpleNamespace
 
 from shim.decision.guard import GuardConfig
-from shim.guard_episodes import EpisodeFile
-from shim.monitor import Monitor, episode_file
-from shim.node import KubeletFacts
+from shim.guard.episodes import EpisodeFile
+from shim.guard.monitor import Monitor, episode_file
+from shim.node.facts import KubeletFacts
 
 try:
     from tests.test_metrics import CID, CID2, MI, UID, fake_root, pressure_text, ref, write_cgroup

@@ -1,7 +1,7 @@
 """Kubelet 1.22 ... 1.38 Memory QoS semantics: the policies named after the kubelet's
 memoryReservationPolicy (with the shim's earlier names as aliases), what each kubelet version
-writes itself (shim.kubelet_model), who owns each value, and the requests such kubelets send
-(shim.kubelet_requests.kubelet_unified, checked against a recorded v1.23 kubelet)."""
+writes itself (shim.node.kubelet), who owns each value, and the requests such kubelets send
+(shim.testing.kubelet_requests.kubelet_unified, checked against a recorded v1.23 kubelet)."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from shim.config import ConfigError, add_arguments, resolve
+from shim.app.config import ConfigError, add_arguments, resolve
 from shim.cri import pb
 from shim.decision import ContainerFacts, NodeFacts, PodFacts, Policy, Request, RequestSource, decide
 from shim.effects import CgroupLayout
-from shim.kubelet_model import (
+from shim.node.kubelet import (
     CONTAINER_HIGH,
     CONTAINER_PROTECTION,
     KUBELET,
@@ -31,12 +31,12 @@ from shim.kubelet_model import (
     ownership,
     parse_version,
 )
-from shim.kubelet_requests import kubelet_unified
-from shim.node import KubeletFacts, kubelet_facts_from_dict
-from shim.reconciler import compute_targets
-from shim.doctor import PASS as PASS_
-from shim.doctor import WARN as WARN_
-from shim.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
+from shim.testing.kubelet_requests import kubelet_unified
+from shim.node.facts import KubeletFacts, kubelet_facts_from_dict
+from shim.node.reconciler import compute_targets
+from shim.tools.doctor import PASS as PASS_
+from shim.tools.doctor import WARN as WARN_
+from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
 
 Mi, Gi = 2**20, 2**30
 G = PodFacts(cgroup_parent="/kubepods/pod0a")
@@ -370,7 +370,7 @@ def test_kubelet_unified_reproduces_the_recorded_v1_23_kubelet(name):
 def test_doctor_says_who_owns_each_value(tmp_path, doc, version, kubelet_side, verdict):
     from tests.test_doctor import cfg, env, fake_proc, v2_tree
 
-    from shim.doctor import Doctor
+    from shim.tools.doctor import Doctor
 
     v2_tree(tmp_path / "cg")
     (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")
@@ -398,7 +398,7 @@ def test_doctor_warns_when_a_memory_low_policy_meets_a_kubelet_writing_memory_mi
     a container's memory.low under such a pod counts for nothing, so doctor tells the operator."""
     from tests.test_doctor import cfg, env, fake_proc, v2_tree
 
-    from shim.doctor import Doctor
+    from shim.tools.doctor import Doctor
 
     v2_tree(tmp_path / "cg")
     (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")

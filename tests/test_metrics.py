@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shim.decision.guard import GuardAction, GuardConfig
 from shim.evidence.audit import AuditLog
-from shim.metrics import Metrics, method_label
-from shim.monitor import ContainerRef, Monitor, parse_pressure
-from shim.node import KubeletFacts
+from shim.evidence.metrics import Metrics, method_label
+from shim.guard.monitor import ContainerRef, Monitor, parse_pressure
+from shim.node.facts import KubeletFacts
 from shim.transport.hooks import FinishedCall
 
 MI = 2**20
@@ -347,7 +347,7 @@ def test_vanished_container_forgotten(tmp_path):
 # -- serve --metrics-address, scraped over HTTP ----------------------------------------------
 def test_serve_metrics_endpoint_end_to_end(tmp_path):
     from shim.cri import pb
-    from shim.fake_runtime import FakeRuntimeServer
+    from shim.testing.fake_runtime import FakeRuntimeServer
     from tests.test_serve import Shim, create, expected_high, run_pod, short_dir
 
     base = short_dir()

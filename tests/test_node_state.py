@@ -7,11 +7,11 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim.container_qos import CONTAINER_ANNOTATION
+from shim.container.rewriter import CONTAINER_ANNOTATION
 from shim.cri import pb
 from shim.decision import Policy
 from shim.effects import CgroupLayout
-from shim.node_state import (
+from shim.node.state import (
     INIT,
     REGULAR,
     REPLACED,
@@ -21,7 +21,7 @@ from shim.node_state import (
     NodeState,
     pod_request,
 )
-from shim.reconciler import compute_targets
+from shim.node.reconciler import compute_targets
 from shim.transport.hooks import FinishedCall
 from tests.kubelet_requests import MI, create_container, sandbox_config
 
@@ -223,7 +223,7 @@ def _state_with(pods, driver="cgroupfs"):
     s = NodeState()
     for uid, qos, reqs, active in pods:
         pod = s.upsert_pod(uid, "ns", f"pod-{uid}")
-        from shim.node_state import SandboxRecord
+        from shim.node.state import SandboxRecord
 
         from tests.kubelet_requests import cgroup_parent
         s.add_sandbox(pod, SandboxRecord(f"s-{uid}", uid, active, 1, cgroup_parent(qos, uid, driver)))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from shim.cli import main
-from shim.plot import KEP_LIMIT, MI, curves
+from shim.app.cli import main
+from shim.tools.plot import KEP_LIMIT, MI, curves
 
 pytest.importorskip("matplotlib")  # in the test extra; the core install does not need it
 

@@ -1,6 +1,6 @@
 import pytest
 
-from shim.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import QuantityError, parse_bytes
 
 
 @pytest.mark.parametrize(

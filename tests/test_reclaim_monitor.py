@@ -14,9 +14,9 @@ import pytest
 from shim.decision.reclaim import ReclaimConfig
 from shim.effects.cgroupfs import PathRefused
 from shim.evidence.audit import AuditLog
-from shim.metrics import Metrics
-from shim.monitor import READ_FILES, ContainerCgroups, Monitor
-from shim.node import KubeletFacts
+from shim.evidence.metrics import Metrics
+from shim.guard.monitor import READ_FILES, ContainerCgroups, Monitor
+from shim.node.facts import KubeletFacts
 from tests.test_metrics import CID, CID2, UID, Clock, fake_root, pressure_text, ref, samples, value, write_cgroup
 
 MI = 2**20
@@ -160,7 +160,7 @@ def test_anon_only_guaranteed_and_relaxed_containers_are_left_alone(tmp_path):
     write_cgroup(g, current=99 * MI, high=HIGH, pressure=pressure_text())  # odd, but must still be left alone
     write_stat(g, file=60 * MI, anon=30 * MI)
     (g / "memory.reclaim").write_text("")
-    from shim.monitor import ContainerRef
+    from shim.guard.monitor import ContainerRef
 
     guaranteed = ContainerRef("ef" * 32, "default", "g", "app", g_uid, f"/kubepods/pod{g_uid}", "Guaranteed")
     records, clock, kernel = [], Clock(), FakeKernel()
@@ -261,8 +261,8 @@ def test_refaults_back_off_through_the_monitor(tmp_path):
 def test_off_by_default_and_on_with_the_documented_defaults(tmp_path):
     import argparse
 
-    from shim.config import OPTIONS, resolve
-    from shim.monitor import build_monitor, reclaim_config
+    from shim.app.config import OPTIONS, resolve
+    from shim.guard.monitor import build_monitor, reclaim_config
 
     ns = argparse.Namespace(config=None, **{o.name.replace("-", "_"): None for o in OPTIONS})
     ns.cgroup_root, ns.guard_state = str(tmp_path), "none"

@@ -10,9 +10,9 @@ import pytest
 
 from shim.cri import pb
 from shim.decision import Policy
-from shim.fake_runtime import FakeRuntime, FakeRuntimeServer
-from shim.node import KubeletFacts
-from shim.reconciler import Reconciler, ReconcilerObserver
+from shim.testing.fake_runtime import FakeRuntime, FakeRuntimeServer
+from shim.node.facts import KubeletFacts
+from shim.node.reconciler import Reconciler, ReconcilerObserver
 from shim.transport.hooks import FinishedCall
 from tests.reconciler_support import (
     MI,

@@ -22,12 +22,12 @@ from pathlib import Path
 from shim.cri import pb
 from shim.effects import CgroupLayout
 from shim.evidence.trace import read_trace
-from shim.reconciler import Reconciler
-from shim.replay import drive, replay_settings
-from shim.service import build_container_qos, build_request_hooks
-from shim.trace_runtime import TraceRuntime
+from shim.node.reconciler import Reconciler
+from shim.tools.replay import drive, replay_settings
+from shim.app.service import build_container_qos, build_request_hooks
+from shim.testing.trace_runtime import TraceRuntime
 from shim.transport.proxy import CriProxy
-from shim.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
+from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
 from tests.reconciler_support import FakeCgroupTree
 
 ON = trace_file(MEMQOS_ON)

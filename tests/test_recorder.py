@@ -16,7 +16,7 @@ import pytest
 from shim.evidence.recorder import HIGH_VOLUME_METHODS, MethodFilter, Recorder, shim_header
 from shim.evidence.trace import TraceCall, TraceError, make_header, open_text, read_trace, trace_stem, write_trace
 from shim.transport.hooks import CREATE_CONTAINER, FinishedCall
-from shim.traces import all_traces
+from shim.testing.traces import all_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,7 +258,7 @@ def test_a_damaged_compressed_trace_is_a_trace_error(tmp_path, suffix):
 
 def test_serve_refuses_to_record_to_a_compressed_file_name(tmp_path, capsys):
     """The recorder writes plain lines; a .gz/.xz name would make every reader fail on it."""
-    from shim.cli import main
+    from shim.app.cli import main
 
     for name in ("cri.jsonl.gz", "cri.jsonl.xz"):
         rc = main(["serve", "--listen", str(tmp_path / "s.sock"), "--upstream", str(tmp_path / "u.sock"),

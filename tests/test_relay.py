@@ -19,7 +19,7 @@ import pytest
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
 from shim.transport.wire.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
-from shim.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
+from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
 
 try:
     from tests.upstream_echo import EchoUpstream, length_delimited, response_bytes
@@ -641,7 +641,7 @@ def test_kubelet_trace_replays_identically_through_both_transports(name):
     transport under it must change nothing: no replay problem, the same audit records, the
     same bytes at the runtime."""
     path = str(trace_file(name))
-    from shim.replay import replay, replay_settings
+    from shim.tools.replay import replay, replay_settings
     from shim.evidence.trace import read_trace
 
     trace = read_trace(path)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim.transport.hpack_lite import (
+from shim.transport.wire.hpack import (
     CONTENT_TYPE_GRPC,
     STATIC_TABLE,
     STATUS_200,

@@ -20,7 +20,7 @@ import pytest
 
 from shim.cri import pb
 from shim.evidence.trace import open_text
-from shim.traces import kubelet_traces
+from shim.testing.traces import kubelet_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBELET_TRACES = kubelet_traces()
@@ -121,7 +121,7 @@ _cache: dict[str, object] = {}
 
 def replayed(path: Path):
     if str(path) not in _cache:
-        from shim.replay import replay, replay_settings
+        from shim.tools.replay import replay, replay_settings
         from shim.evidence.trace import read_trace
 
         trace = read_trace(str(path))

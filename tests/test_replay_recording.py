@@ -13,7 +13,7 @@ import pytest
 
 from shim.evidence.recorder import HIGH_VOLUME_METHODS
 from shim.evidence.trace import read_trace
-from shim.traces import kubelet_traces
+from shim.testing.traces import kubelet_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBELET_TRACES = kubelet_traces()
@@ -25,7 +25,7 @@ def lines(path) -> list[dict]:
 
 
 def _serve_args(tmp_path, trace, sockets, extra=()):
-    from shim.cli import build_parser
+    from shim.app.cli import build_parser
 
     (tmp_path / "cg").mkdir()
     (tmp_path / "cg" / "cgroup.controllers").write_text("cpu memory\n")
@@ -51,10 +51,10 @@ def _comparable(record: dict) -> dict:
 
 @pytest.mark.parametrize("path", KUBELET_TRACES, ids=lambda p: p.name)
 def test_recording_through_the_shim_then_replaying_it_gives_the_same_audit_records(tmp_path, path):
-    from shim.config import OPTIONS, resolve
-    from shim.replay import drive, replay, replay_settings
-    from shim.service import Service
-    from shim.trace_runtime import TraceRuntime
+    from shim.app.config import OPTIONS, resolve
+    from shim.tools.replay import drive, replay, replay_settings
+    from shim.app.service import Service
+    from shim.testing.trace_runtime import TraceRuntime
 
     kubelet = read_trace(str(path))
     sockets = tempfile.mkdtemp(prefix="mq-")  # short: unix socket paths are limited to 107 bytes

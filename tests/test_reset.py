@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shim.cli import main
+from shim.app.cli import main
 from tests.reconciler_support import FakeCgroupTree, read_audit, write_kubelet_config
 
 MI = 2**20

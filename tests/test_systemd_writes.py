@@ -15,8 +15,8 @@ import pytest
 
 from shim.effects import PathRefused
 from shim.effects.systemd import CgroupWriter, Systemctl, SystemdError, slice_path, unit_for_path
-from shim.node import KubeletFacts
-from shim.reset import reset_cgroups
+from shim.node.facts import KubeletFacts
+from shim.tools.reset import reset_cgroups
 from tests.reconciler_support import FakeCgroupTree, read_audit, wait_for
 from tests.test_reconciler import B_UID, G_UID, Stack
 
@@ -317,7 +317,7 @@ def test_reconciler_retries_when_systemd_cannot_be_reached(tmp_path, monkeypatch
 
 
 def test_the_setting_is_validated(tmp_path):
-    from shim.cli import main
+    from shim.app.cli import main
 
     assert main(["reset", "--systemd-writes", "systemd", "--cgroup-root", str(tmp_path)]) == 2
     recs = read_audit(tmp_path / "none.jsonl")

@@ -89,7 +89,7 @@ def flat_keys(obj: dict, prefix: str = "", depth: int = 2) -> dict[str, object]:
 
 
 def written_header() -> dict:
-    """The header `serve --record` writes (shim.service.start_recorder builds it this way)."""
+    """The header `serve --record` writes (shim.app.service.start_recorder builds it this way)."""
     return shim_header(version="0.0.0", mem_total_bytes=8 << 30, page_size=4096, cgroup_driver="systemd",
                        kubelet_config={"kubeReserved": {"memory": "100Mi"}}, allocatable=(8 << 30) - (100 << 20),
                        factor=0.9, policy="Hard", cgroup_v2=True, listen="/run/x.sock", upstream="/run/y.sock",
@@ -137,7 +137,7 @@ def probed_header(obj: dict, seen: set[str]) -> Probe:
 
 def header_keys_read() -> set[str]:
     """Header keys read by the reader and by what uses the header (replay's settings)."""
-    from shim.replay import replay_settings
+    from shim.tools.replay import replay_settings
 
     seen: set[str] = set()
     header = trace.parse_header(probed_header(written_header(), seen))
@@ -187,7 +187,7 @@ def test_example_reads_without_problems(tmp_path):
 
 def test_example_protobuf_decodes_with_the_projects_proto(tmp_path):
     """The example's bytes are real CRI messages, not placeholders."""
-    from shim.trace_view import call_view
+    from shim.tools.trace_view import call_view
 
     path = tmp_path / "example.jsonl"
     path.write_text("\n".join(example_lines()) + "\n", encoding="utf-8")

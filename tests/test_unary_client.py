@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from shim.cri import pb
-from shim.fake_runtime import FakeRuntimeServer
-from shim.runtime_client import RuntimeClient, RuntimeUnavailable
+from shim.testing.fake_runtime import FakeRuntimeServer
+from shim.node.runtime_client import RuntimeClient, RuntimeUnavailable
 from shim.transport.unary_client import CallError, UnaryClient
 
 try:

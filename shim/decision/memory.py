@@ -110,7 +110,7 @@ def decide(
     a key -- leaving it out would keep the old value in force.
 
     `kubelet_owns`: owned keys the kubelet is configured to write itself (key -> why, from
-    shim.kubelet_model.Ownership): its value is forwarded unchanged, or left out when it sent
+    shim.node.kubelet.Ownership): its value is forwarded unchanged, or left out when it sent
     none."""
     qos, qos_reason = qos_class(pod.cgroup_parent, container.oom_score_adj)
     req = request if request is not None else resolve_request(pod, container, qos, node.capacity)

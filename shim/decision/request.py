@@ -13,7 +13,7 @@ from shim.decision.facts import (
     Request,
     RequestSource,
 )
-from shim.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import QuantityError, parse_bytes
 
 MAX_ANNOTATION_BYTES = 64 * 1024
 

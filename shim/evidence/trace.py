@@ -2,7 +2,7 @@
 
 A trace is JSON Lines: a header object, then one object per finished RPC with the raw
 protobuf bytes in standard base64. This module only moves bytes between that text form and
-``TraceCall``; it never parses protobuf (``shim.trace_view`` does, for people).
+``TraceCall``; it never parses protobuf (``shim.tools.trace_view`` does, for people).
 
 Reading is strict about what the format requires (a header first, the required keys and
 types of every call line, valid base64) and lenient about what it allows: unknown keys are

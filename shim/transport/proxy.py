@@ -29,7 +29,7 @@ import grpc
 
 from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, grpc_target, socket_path
 from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall, guarded_finished, guarded_rewrite
-from shim.transport.methods import CRI_METHODS
+from shim.cri.methods import CRI_METHODS
 from shim.transport.unixsock import (
     ThrottledLog,
     check_replaceable,

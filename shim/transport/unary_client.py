@@ -8,7 +8,7 @@ speaks just enough HTTP/2 for it:
 * one connection, opened on the first call and again after any failure; calls one at a time;
 * the request: HEADERS (HPACK literals without indexing, so the runtime's decoder table is
   never touched by us) and one DATA frame sequence within the runtime's flow-control windows;
-* the answer: every header block decoded (``hpack_lite.Decoder``: the runtime's dynamic table
+* the answer: every header block decoded (``wire.hpack.Decoder``: the runtime's dynamic table
   must be followed), DATA collected; trailers or a trailers-only answer give grpc-status and
   grpc-message. We advertise windows large enough for any answer up to ``max_message_bytes``
   and give the connection window back after each call;
@@ -53,7 +53,7 @@ from shim.transport.wire.h2 import (
     settings_items,
     window_update,
 )
-from shim.transport.hpack_lite import Decoder, HpackError, literal
+from shim.transport.wire.hpack import Decoder, HpackError, literal
 
 
 class CallError(Exception):

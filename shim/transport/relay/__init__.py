@@ -7,7 +7,7 @@ between (grpcio's per-call cost, about half a millisecond here, is what this avo
 relay does on top of forwarding:
 
 * It reads every frame header both ways and decodes every header block (one HPACK decoder per
-  direction, ``shim.transport.hpack_lite``) to learn each stream's ``:path`` and
+  direction, ``shim.transport.wire.hpack``) to learn each stream's ``:path`` and
   ``grpc-timeout``, and each answer's ``grpc-status`` / ``grpc-message``. A block that does not
   decode means the HPACK state is lost: the connection is closed (the kubelet reconnects).
 * It reassembles the gRPC messages of both directions from DATA frames (a copy to the side,

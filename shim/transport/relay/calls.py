@@ -3,7 +3,7 @@ messages of both directions, the held request, and the ``FinishedCall`` it ends 
 from __future__ import annotations
 
 from shim.transport.hooks import REWRITTEN_METHODS, FinishedCall
-from shim.transport.methods import CRI_METHODS_BY_PATH
+from shim.cri.methods import CRI_METHODS_BY_PATH
 from shim.transport.wire.grpc import Messages, decompress, header_values, timeout_seconds
 
 # What FinishedCall keeps of one server stream (as the grpcio transport); the client always

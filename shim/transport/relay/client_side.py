@@ -10,7 +10,7 @@ dropped, DATA the windows cannot take yet queued, the rest forwarded in order.
 """
 from __future__ import annotations
 
-from shim.transport.hpack_lite import HpackError
+from shim.transport.wire.hpack import HpackError
 from shim.transport.relay.calls import request_info
 from shim.transport.relay.writes import send
 from shim.transport.wire.h2 import (

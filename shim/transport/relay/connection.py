@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 
-from shim.transport.hpack_lite import CONTENT_TYPE_GRPC, STATUS_200, Decoder, literal
+from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, Decoder, literal
 from shim.transport.relay.calls import Call
 from shim.transport.relay.client_side import ClientToServer
 from shim.transport.relay.hold import Holding

@@ -7,7 +7,7 @@ answered -- so the kubelet's next call opens a new connection and tries the runt
 """
 from __future__ import annotations
 
-from shim.transport.hpack_lite import CONTENT_TYPE_GRPC, STATUS_200, HpackError, literal
+from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, HpackError, literal
 from shim.transport.relay.calls import request_info
 from shim.transport.wire.grpc import percent_encode
 from shim.transport.wire.h2 import (

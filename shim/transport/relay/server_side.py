@@ -17,7 +17,7 @@ While a chunk is processed, ``s_out`` is where its not yet written verbatim part
 """
 from __future__ import annotations
 
-from shim.transport.hpack_lite import HpackError
+from shim.transport.wire.hpack import HpackError
 from shim.transport.relay.writes import send
 from shim.transport.wire.grpc import HTTP_STATUS, RST_STATUS, response_info
 from shim.transport.wire.h2 import (

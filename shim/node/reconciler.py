@@ -4,13 +4,13 @@ The runtime applies the container-level ``unified`` keys; the pod, QoS-class and
 cgroups belong to the kubelet and nobody sets their protection, yet the kernel caps a
 container's protection by its ancestors'. This module writes them (reference section 2):
 
-* pod cgroup: the pod's memory request (shim.node_state.pod_request);
+* pod cgroup: the pod's memory request (shim.node.state.pod_request);
 * burstable QoS cgroup: the sum over Burstable pods; kubepods: Guaranteed + Burstable;
 * kube-reserved / system-reserved cgroups: the reserved memory, when the kubelet enforces them
   and names their cgroups;
 * the policy (named like the kubelet's memoryReservationPolicy) picks memory.min or memory.low
   per QoS class (compute_targets); ``None`` sets every managed value to 0;
-* a scope the kubelet itself writes (a kubelet configured to, see shim.kubelet_model) is left
+* a scope the kubelet itself writes (a kubelet configured to, see shim.node.kubelet) is left
   to it: the shim neither writes nor zeroes it.
 
 Flow: the proxy's observer (``ReconcilerObserver.finished``) only puts finished calls on a
@@ -33,9 +33,9 @@ from typing import Callable
 from shim.decision import Policy, QoSClass, protection_key
 from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
-from shim.node import KubeletFacts, is_cgroup_v2
-from shim.node_state import OBSERVED_METHODS, NodeState
-from shim.quantity import format_bytes
+from shim.node.facts import KubeletFacts, is_cgroup_v2
+from shim.node.state import OBSERVED_METHODS, NodeState
+from shim.decision.quantity import format_bytes
 from shim.transport.hooks import FinishedCall
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _fmt(n: int) -> str:
 
 
 # The cgroups the reconciler manages, by who may own their memory.min / memory.low (see
-# shim.kubelet_model.Ownership: a scope the kubelet owns is left to it).
+# shim.node.kubelet.Ownership: a scope the kubelet owns is left to it).
 SCOPES = ("pod", "qos", "kubepods", "reserved")
 
 
@@ -244,7 +244,7 @@ class Reconciler:
         self.resync_interval = resync_interval
         # scopes (pod, qos, kubepods, reserved) the kubelet writes itself: left to it
         if ownership is None:
-            from shim.kubelet_model import kubelet_writes, ownership as owners_for
+            from shim.node.kubelet import kubelet_writes, ownership as owners_for
 
             ownership = owners_for(kubelet_writes(kubelet, None), policy)
         self.ownership = ownership
@@ -374,7 +374,7 @@ class Reconciler:
     def _refresh_pod(self, uid: str) -> bool:
         """Ask the runtime for the state of the pod's containers that had not finished when
         last seen (for the init-container rule: created_at / finished_at)."""
-        from shim.runtime_client import RuntimeUnavailable
+        from shim.node.runtime_client import RuntimeUnavailable
 
         pod = self.state.pods.get(uid)
         if pod is None:
@@ -394,7 +394,7 @@ class Reconciler:
         return changed
 
     def _resync(self, reason: str, fresh: bool) -> None:
-        from shim.runtime_client import RuntimeUnavailable, take_snapshot
+        from shim.node.runtime_client import RuntimeUnavailable, take_snapshot
 
         if not is_cgroup_v2(self.cgroup_root):  # cgroup v1: nothing will ever be written here
             self._check_tree()
@@ -564,7 +564,7 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
     the upstream directly, not through the proxy."""
     if not getattr(cfg, "reconcile", True):
         return None
-    from shim.runtime_client import RuntimeClient
+    from shim.node.runtime_client import RuntimeClient
 
     return Reconciler(
         cgroup_root=cfg.cgroup_root,

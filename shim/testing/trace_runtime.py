@@ -38,12 +38,12 @@ import grpc
 
 from shim.evidence.trace import TraceCall
 from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
-from shim.transport.methods import CRI_METHODS_BY_PATH
+from shim.cri.methods import CRI_METHODS_BY_PATH
 
 log = logging.getLogger(__name__)
 
 REPLAY_SEQ_KEY = "memqos-replay-seq"
-SHIM_ANNOTATION = "memqos.io/request"  # shim.container_qos.CONTAINER_ANNOTATION
+SHIM_ANNOTATION = "memqos.io/request"  # shim.container.rewriter.CONTAINER_ANNOTATION
 MAX_MESSAGE = 128 * 1024 * 1024
 
 

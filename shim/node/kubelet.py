@@ -157,7 +157,7 @@ class KubeletWrites:
 
 
 def kubelet_writes(kubelet, version: tuple[int, int] | None) -> KubeletWrites:
-    """The kubelet's own Memory QoS writes from its configuration (shim.node.KubeletFacts) and
+    """The kubelet's own Memory QoS writes from its configuration (shim.node.facts.KubeletFacts) and
     version. An unknown version takes the conservative reading: whatever the configuration
     asks for explicitly is assumed to be written (the shim then stands aside), and the text
     says so."""

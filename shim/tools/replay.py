@@ -1,11 +1,11 @@
 """`memqos-shim replay`: run a recorded trace through the shim's real request path.
 
 The request path is the one `serve` runs: a real transport (the HTTP/2 relay by default, like
-`serve`; ``--transport grpc`` for the grpcio proxy) on a real unix socket with the hooks built by ``shim.service.build_container_qos`` / ``build_request_hooks``. Upstream is a
+`serve`; ``--transport grpc`` for the grpcio proxy) on a real unix socket with the hooks built by ``shim.app.service.build_container_qos`` / ``build_request_hooks``. Upstream is a
 ``TraceRuntime`` answering every call with the recorded answer (so container ids and sandbox
 facts are the recorded ones). A grpc client sends every recorded request, one at a time, in
 recorded start order, with the call's seq as ``memqos-replay-seq`` metadata (see
-shim.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
+shim.testing.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
 CreateContainer / UpdateContainerResources -- are the result, each tagged with the seq of
 the call that produced it.
 
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, TextIO
 
 from shim.decision import NodeFacts, Policy
 from shim.evidence.trace import Trace, TraceCall, TraceError, TraceHeader, read_trace
-from shim.node import KubeletFacts, kubelet_facts_from_dict, load_kubelet_config, node_facts
+from shim.node.facts import KubeletFacts, kubelet_facts_from_dict, load_kubelet_config, node_facts
 
 CALL_TIMEOUT = 10.0
 # Audit record keys shown first, in this order; the rest follow as the hooks wrote them.
@@ -68,7 +68,7 @@ class ReplaySettings:
     kubelet_version: tuple[int, int] | None = None
 
     def ownership(self):
-        from shim.kubelet_model import kubelet_writes, ownership
+        from shim.node.kubelet import kubelet_writes, ownership
 
         return ownership(kubelet_writes(self.kubelet, self.kubelet_version), self.policy)
 
@@ -156,7 +156,7 @@ def replay_settings(
         policy, origin["policy"] = Policy.REQUEST, "default"
 
     node = node_facts(capacity, kubelet, page_size=page, allocatable=allocatable, factor=factor)
-    from shim.kubelet_model import parse_version
+    from shim.node.kubelet import parse_version
 
     found = re.search(r"Kubernetes v(\d+\.\d+)", header.source)
     kubelet_version = parse_version(shim.get("kubelet_version")) or (parse_version(found.group(1)) if found else None)
@@ -212,7 +212,7 @@ class ReplayResult:
 
 
 def _streaming(call: TraceCall) -> bool:
-    from shim.transport.methods import CRI_METHODS_BY_PATH
+    from shim.cri.methods import CRI_METHODS_BY_PATH
 
     known = CRI_METHODS_BY_PATH.get(call.method)
     if known is not None:
@@ -243,7 +243,7 @@ async def drive(target: str, calls: Iterable[TraceCall], *,
     """Send ``calls`` (already in the wanted order) one at a time to ``target`` (unix://...)."""
     import grpc
 
-    from shim.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
+    from shim.testing.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
 
     outcomes = []
     async with grpc.aio.insecure_channel(target, options=(
@@ -275,8 +275,8 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
                        transport: str = "relay") -> ReplayResult:
-    from shim.service import build_container_qos, build_request_hooks
-    from shim.trace_runtime import TraceRuntime
+    from shim.app.service import build_container_qos, build_request_hooks
+    from shim.testing.trace_runtime import TraceRuntime
 
     if transport == "relay":
         from shim.transport.relay import RelayProxy as Proxy
@@ -363,7 +363,7 @@ def _unified_text(unified: dict) -> str:
 
 
 def records_table(records: list[dict]) -> str:
-    from shim.quantity import format_bytes
+    from shim.decision.quantity import format_bytes
 
     head = ("SEQ", "METHOD", "EVENT", "POD", "CONTAINER", "QOS", "REQUEST", "SOURCE", "LIMIT",
             "UNIFIED BEFORE", "UNIFIED AFTER")
@@ -424,15 +424,15 @@ def load_records(path: str) -> list[dict]:
 
 # -- CLI -----------------------------------------------------------------------------
 def _replay_options():
-    from shim.config import OPTIONS
+    from shim.app.config import OPTIONS
 
     wanted = ("node-allocatable", "factor", "policy", "page-size", "transport")
     return tuple(o for o in OPTIONS if o.name in wanted)
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    from shim.config import ConfigError, resolve
-    from shim.quantity import QuantityError, parse_bytes
+    from shim.app.config import ConfigError, resolve
+    from shim.decision.quantity import QuantityError, parse_bytes
 
     out = out or sys.stdout
     err = err or sys.stderr
@@ -492,7 +492,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 
 
 def register(subparsers) -> None:
-    from shim.config import add_arguments
+    from shim.app.config import add_arguments
 
     p = subparsers.add_parser(
         "replay",

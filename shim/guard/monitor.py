@@ -54,8 +54,8 @@ from shim.decision.guard import (
 )
 from shim.effects.cgroupfs import CgroupTree, PathRefused, ReclaimUnsupported, split_path
 from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
-from shim.guard_episodes import REF_FIELDS, Episode, EpisodeFile
-from shim.node import KubeletFacts, is_cgroup_v2
+from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
+from shim.node.facts import KubeletFacts, is_cgroup_v2
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Three feeds, none of which reads a file or blocks on the CRI path:
 * the audit stream (``AuditLog.add_listener``, in the audit writer thread): rewrites by QoS
   class and request source, fail-opens, cgroup writes and refusals, guard actions -- the
   metrics count exactly what the audit log says;
-* the monitor's last snapshot (shim.monitor: the side thread that reads the cgroup files on an
+* the monitor's last snapshot (shim.guard.monitor: the side thread that reads the cgroup files on an
   interval): per-container memory.current, memory.min/low/high/max in force, memory.events
   counters and memory.pressure; read at scrape time from memory, never from cgroupfs.
 
@@ -28,9 +28,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shim.monitor import EVENTS
+from shim.guard.monitor import EVENTS
 from shim.transport.hooks import FinishedCall
-from shim.transport.methods import CRI_METHODS_BY_PATH
+from shim.cri.methods import CRI_METHODS_BY_PATH
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shim.config import Config
-from shim.container_qos import ContainerMemoryQoS
+from shim.app.config import Config
+from shim.container.rewriter import ContainerMemoryQoS
 from shim.evidence.audit import AuditLog
-from shim.node import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
+from shim.node.facts import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
 from shim.transport.hooks import CallHooks, FinishedCall
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_ro
                         ownership=None) -> ContainerMemoryQoS:
     """The CreateContainer / UpdateContainerResources rewriter exactly as `serve` builds it
     (`memqos-shim replay` builds its request path with this too). ``ownership``
-    (shim.kubelet_model.Ownership): the unified keys the kubelet owns are forwarded unchanged."""
+    (shim.node.kubelet.Ownership): the unified keys the kubelet owns are forwarded unchanged."""
     reason = "" if cgroup_v2 else f"{cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
     return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership)
 
@@ -51,7 +51,7 @@ def kubelet_ownership(cfg, kubelet):
     """(KubeletWrites, Ownership, how the version was found) for this node: the kubelet's
     version (--kubelet-version; 'auto' runs `kubelet --version` once, here at start-up, never on
     the CRI path), what it writes itself, and who owns each value."""
-    from shim.kubelet_model import detect_kubelet_version, kubelet_writes, ownership
+    from shim.node.kubelet import detect_kubelet_version, kubelet_writes, ownership
 
     version, how = detect_kubelet_version(getattr(cfg, "kubelet_version", "auto") or "auto")
     writes = kubelet_writes(kubelet, version)
@@ -80,13 +80,13 @@ class Service:
         self.recorder = recorder  # shim.evidence.recorder.Recorder with --record
         self.hooks = build_request_hooks(container_qos, [recorder] if recorder is not None else [])
         self.proxy = None
-        # shim.reconciler.Reconciler: pod/QoS/node memory.min, fed by an observer
+        # shim.node.reconciler.Reconciler: pod/QoS/node memory.min, fed by an observer
         self.reconciler = reconciler
         if reconciler is not None:
             self.hooks.observers.append(reconciler.observer)
-        # shim.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
+        # shim.guard.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
         self.monitor = monitor
-        # shim.metrics.Metrics (--metrics-address): CRI counters from an observer, the rewrite timed
+        # shim.evidence.metrics.Metrics (--metrics-address): CRI counters from an observer, the rewrite timed
         self.metrics = metrics
         if metrics is not None:
             self.hooks.observers.append(metrics.observer)
@@ -137,15 +137,15 @@ class Service:
             log.info("owner: %s", line)
         recorder = start_recorder(cfg, node, kubelet, capacity, v2, writes.version) \
             if getattr(cfg, "record", None) else None
-        from shim.reconciler import build_reconciler
+        from shim.node.reconciler import build_reconciler
 
         reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
-        from shim.monitor import build_monitor
+        from shim.guard.monitor import build_monitor
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler) if v2 else None
         metrics = None
         if getattr(cfg, "metrics_address", None):  # prometheus_client costs ~2.5 MiB of RSS: only when used
-            from shim.metrics import build_metrics
+            from shim.evidence.metrics import build_metrics
 
             metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
         return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
@@ -192,7 +192,7 @@ class Service:
     def start_metrics_server(self) -> None:
         """Serve /metrics. Metrics are not worth the node: a bind failure is logged and audited,
         the shim keeps serving the kubelet."""
-        from shim.metrics import is_loopback, split_address
+        from shim.evidence.metrics import is_loopback, split_address
 
         address = self.cfg.metrics_address
         try:

@@ -118,7 +118,7 @@ class Doctor:
     @property
     def kubelet(self):
         if self._kubelet is None:
-            from shim.node import load_kubelet_config
+            from shim.node.facts import load_kubelet_config
 
             self._kubelet = load_kubelet_config(self.cfg.kubelet_config)
         return self._kubelet
@@ -170,7 +170,7 @@ class Doctor:
         return on_disk, (k.cgroup_driver if k.source else (on_disk or "cgroupfs"))
 
     def check_cgroup_v2(self) -> Result:
-        from shim.node import is_cgroup_v2
+        from shim.node.facts import is_cgroup_v2
 
         root = self.cfg.cgroup_root
         if is_cgroup_v2(root):
@@ -194,7 +194,7 @@ class Doctor:
         return Result("cgroup v2", FAIL, f"{root} is not a cgroup v2 hierarchy (no cgroup.controllers)", details)
 
     def check_memory_controller(self) -> Result:
-        from shim.node import is_cgroup_v2
+        from shim.node.facts import is_cgroup_v2
 
         root = self.cfg.cgroup_root
         name = "memory controller"
@@ -241,7 +241,7 @@ class Doctor:
 
     def _ownership(self):
         """(KubeletWrites, Ownership, how the version was found), as `serve` would see them."""
-        from shim.kubelet_model import detect_kubelet_version, kubelet_writes, ownership
+        from shim.node.kubelet import detect_kubelet_version, kubelet_writes, ownership
 
         version, how = detect_kubelet_version(getattr(self.cfg, "kubelet_version", "auto") or "auto",
                                               proc_root=self.env.proc)
@@ -250,8 +250,8 @@ class Doctor:
 
     # kubelet
     def check_kubelet_config(self) -> list[Result]:
-        from shim.node import node_facts, read_mem_total
-        from shim.quantity import format_bytes
+        from shim.node.facts import node_facts, read_mem_total
+        from shim.decision.quantity import format_bytes
 
         path = self.cfg.kubelet_config
         k = self.kubelet
@@ -533,7 +533,7 @@ class Doctor:
 
     def _guard_episodes(self) -> tuple[list[str], list[str]]:
         """(details, problems): where open guard episodes are kept and which are open now."""
-        from shim.monitor import episode_file
+        from shim.guard.monitor import episode_file
 
         try:
             episodes = episode_file(self.cfg)
@@ -553,7 +553,7 @@ class Doctor:
         return details, problems
 
     def check_metrics(self) -> Result:
-        from shim.metrics import is_loopback, split_address
+        from shim.evidence.metrics import is_loopback, split_address
 
         addr = self.cfg.metrics_address
         if not addr:
@@ -566,7 +566,7 @@ class Doctor:
 
     def reclaim_file(self) -> tuple[str | None, str]:
         """(a memory.reclaim found in a non-root cgroup, or None; where it looked)."""
-        from shim.node import is_cgroup_v2
+        from shim.node.facts import is_cgroup_v2
 
         root = self.cfg.cgroup_root
         if not is_cgroup_v2(root):
@@ -598,7 +598,7 @@ class Doctor:
             f"memory.reclaim not available: {where}" + (" (kernel older than 5.19)" if old else ""))
         if not getattr(self.cfg, "reclaim", False):
             return Result(name, PASS, f"off (--reclaim false, the default); {avail}")
-        from shim.quantity import format_bytes
+        from shim.decision.quantity import format_bytes
 
         c = self.cfg
         desc = (f"on: within {c.reclaim_headroom:g}% (at least {format_bytes(c.reclaim_headroom_min)}) of memory.high, "
@@ -626,7 +626,7 @@ def format_results(results: list[Result], header: str = "") -> str:
 
 
 def cmd_doctor(args: argparse.Namespace, env: Env | None = None) -> int:
-    from shim.config import OPTIONS, ConfigError, resolve
+    from shim.app.config import OPTIONS, ConfigError, resolve
 
     note = ""
     if not getattr(args, "config", None) and os.path.isfile(DEFAULT_CONFIG):
@@ -649,7 +649,7 @@ def cmd_doctor(args: argparse.Namespace, env: Env | None = None) -> int:
 
 
 def register(subparsers) -> None:
-    from shim.config import OPTIONS, add_arguments
+    from shim.app.config import OPTIONS, add_arguments
 
     p = subparsers.add_parser(
         "doctor", help="check this node and the shim's setup (pass/warn/fail per check)",

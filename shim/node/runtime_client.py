@@ -14,7 +14,7 @@ from typing import Any
 
 from shim.cri import pb
 from shim.decision import PodFacts
-from shim.node_state import (
+from shim.node.state import (
     ContainerRecord,
     NodeState,
     SandboxView,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shim.evidence.trace import SUFFIXES, trace_stem
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRACES_DIR = REPO / "tests" / "data" / "traces"
 
 # the two recordings of a real kubelet v1.23 in front of containerd 1.6.20 (cgroupfs driver)

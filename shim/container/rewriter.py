@@ -115,7 +115,7 @@ class ContainerMemoryQoS:
     ):
         self.node = node
         self.policy = policy
-        # shim.kubelet_model.Ownership: unified keys the kubelet is configured to write are kept
+        # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
         self.ownership = ownership
         self.kubelet_keys = MappingProxyType(ownership.kubelet_keys() if ownership is not None else {})
         self._emit = emit

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from shim import __version__
-from shim.config import OPTIONS, ConfigError, add_arguments, resolve
+from shim.app.config import OPTIONS, ConfigError, add_arguments, resolve
 from shim.decision import (
     ContainerFacts,
     NodeFacts,
@@ -21,7 +21,7 @@ from shim.decision import (
     RequestSource,
     decide,
 )
-from shim.quantity import QuantityError, format_bytes, parse_bytes
+from shim.decision.quantity import QuantityError, format_bytes, parse_bytes
 
 log = logging.getLogger("memqos-shim")
 
@@ -44,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from shim.service import Service
+    from shim.app.service import Service
 
     try:
         service = Service.from_config(cfg)
@@ -145,7 +145,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _explain_plot(args: argparse.Namespace) -> int:
     """--plot FILE.png: memory.high against request for the KEP's factors (and --factor), limit
     --limit (default 1000Mi), the v1.22 formula for contrast."""
-    from shim.plot import KEP_FACTORS, KEP_LIMIT, PlotUnavailable, write_plot
+    from shim.tools.plot import KEP_FACTORS, KEP_LIMIT, PlotUnavailable, write_plot
 
     try:
         limit = parse_bytes(args.limit) or KEP_LIMIT
@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_trace_commands(sub) -> None:
-    from shim.replay import register as register_replay
-    from shim.trace_view import register as register_trace
+    from shim.tools.replay import register as register_replay
+    from shim.tools.trace_view import register as register_trace
 
     register_replay(sub)
     register_trace(sub)
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _register_reset(sub) -> None:
-    from shim.reset import register
+    from shim.tools.reset import register
 
     register(sub)
 
@@ -264,7 +264,7 @@ _EXTRA_COMMANDS.append(_register_reset)
 
 
 def _register_doctor(sub) -> None:
-    from shim.doctor import register
+    from shim.tools.doctor import register
 
     register(sub)
 

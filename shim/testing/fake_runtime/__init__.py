@@ -4,7 +4,7 @@ Used by the tests, the demo, the replayer and the benchmarks as the "upstream" o
 
 From a test without an event loop::
 
-    from shim.fake_runtime import FakeRuntimeServer
+    from shim.testing.fake_runtime import FakeRuntimeServer
     with FakeRuntimeServer(tmp_path / "containerd.sock", cgroup_driver="systemd") as srv:
         channel = srv.channel()                 # or grpc.insecure_channel(srv.address)
         ...
@@ -21,11 +21,11 @@ From asyncio::
 
 From the command line (foreground until SIGTERM/SIGINT)::
 
-    python -m shim.fake_runtime --listen /run/fake.sock [--cgroup-driver systemd]
+    python -m shim.testing.fake_runtime --listen /run/fake.sock [--cgroup-driver systemd]
 
 Without gRPC: ``FakeRuntime().handle("/runtime.v1.RuntimeService/Version", b"")``.
 """
-from shim.fake_runtime.runtime import (
+from shim.testing.fake_runtime.runtime import (
     BUSYBOX_IMAGE_ID,
     CGROUPFS,
     DEFAULT_SANDBOX_IMAGE,
@@ -43,7 +43,7 @@ from shim.fake_runtime.runtime import (
     expand_slice,
     normalize_image_ref,
 )
-from shim.fake_runtime.server import (
+from shim.testing.fake_runtime.server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FakeRuntimeServer,
     generic_handlers,

@@ -19,12 +19,12 @@ import logging
 import os
 import sys
 
-from shim.config import OPTIONS, ConfigError, add_arguments, resolve
+from shim.app.config import OPTIONS, ConfigError, add_arguments, resolve
 from shim.decision import QoSClass
 from shim.effects import MANAGED_FILES, CgroupFS, CgroupLayout, PathRefused, Write, detect_driver
 from shim.effects.layout import POD_DIR
 from shim.effects.systemd import CgroupWriter
-from shim.node import KubeletFacts, is_cgroup_v2, load_kubelet_config
+from shim.node.facts import KubeletFacts, is_cgroup_v2, load_kubelet_config
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,11 @@ def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: boo
                   kubelet_version: tuple[int, int] | None = None, systemd_writes: str = "cgroupfs",
                   systemctl=None) -> tuple[list[Write], list[str], list[str]]:
     """Set every managed value to 0, bottom-up. Returns (writes, notes, errors). Values the
-    kubelet writes itself (its MemoryQoS configured to protect requests, shim.kubelet_model)
+    kubelet writes itself (its MemoryQoS configured to protect requests, shim.node.kubelet)
     are the kubelet's: reset leaves them alone and says so. Through systemd on a systemd node
     (``systemd_writes``, as ``serve``): a 0 written to cgroupfs there would be replaced by
     systemd's MemoryMin/MemoryLow at its next daemon-reload."""
-    from shim.kubelet_model import fmt_version, kubelet_writes
+    from shim.node.kubelet import fmt_version, kubelet_writes
 
     problems: list[str] = []
     writes_of_kubelet = kubelet_writes(kubelet, kubelet_version)
@@ -121,7 +121,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
         log.warning("kubelet config: %s", problem)
     audit = AuditLog(cfg.audit_log).start()
     try:
-        from shim.kubelet_model import detect_kubelet_version
+        from shim.node.kubelet import detect_kubelet_version
 
         version, _ = detect_kubelet_version(cfg.kubelet_version)
         writes, notes, errors = reset_cgroups(cfg.cgroup_root, kubelet, audit.emit, dry_run=args.dry_run,

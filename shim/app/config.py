@@ -15,7 +15,7 @@ from typing import Any, Callable
 import yaml
 
 from shim.decision import POLICY_ALIASES, Policy
-from shim.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import QuantityError, parse_bytes
 
 
 class ConfigError(ValueError):

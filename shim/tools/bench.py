@@ -1,6 +1,6 @@
 """`scripts/bench`: the shim's cost, measured side by side with a direct connection.
 
-One run starts a fake CRI runtime (``python -m shim.bench upstream``: shim.fake_runtime with
+One run starts a fake CRI runtime (``python -m shim.tools.bench upstream``: shim.testing.fake_runtime with
 ExecSync answering a requested number of stdout bytes) and one ``memqos-shim serve`` process per
 transport in front of it, each in its own process, so that the shim's CPU and RSS are read from
 ``/proc/<pid>``. This process is the client (grpcio: a sync channel for latencies, grpc.aio for
@@ -17,7 +17,7 @@ load for a 110-pod node (the relist/status/stats mix of the recorded kubelet tra
 per-pod calls scaled to 110 pods, list replies as large as 110 pods make them), reporting the
 shim's CPU share of one core during it.
 
-    python -m shim.bench [--quick] [--runs N] [--transport grpc,relay] [--json FILE]
+    python -m shim.tools.bench [--quick] [--runs N] [--transport grpc,relay] [--json FILE]
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shim.evidence.trace import open_text
-from shim.traces import MEMQOS_OFF, TRACES_DIR
+from shim.testing.traces import MEMQOS_OFF, TRACES_DIR
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = TRACES_DIR / f"{MEMQOS_OFF}.jsonl.xz"
 
 RS = "/runtime.v1.RuntimeService/"
@@ -103,11 +103,11 @@ QUICK = Sizes(runs=1, small=800, reply200k=100, reply16m=4, throughput_seconds=1
 
 
 def run_upstream(listen: str) -> int:
-    """The benchmark's upstream: shim.fake_runtime with ExecSync output of a requested size and
+    """The benchmark's upstream: shim.testing.fake_runtime with ExecSync output of a requested size and
     PullImage delayed; calls are not kept (100k calls would grow the runtime, not the shim)."""
     from shim.cri import pb
-    from shim.fake_runtime.runtime import FakeRuntime
-    from shim.fake_runtime.server import serve_fake_runtime
+    from shim.testing.fake_runtime.runtime import FakeRuntime
+    from shim.testing.fake_runtime.server import serve_fake_runtime
 
     class BenchRuntime(FakeRuntime):
         _outputs: dict[int, bytes] = {}
@@ -149,7 +149,7 @@ def run_upstream(listen: str) -> int:
 
 
 def _has_transport_option() -> bool:
-    from shim.config import OPTIONS
+    from shim.app.config import OPTIONS
 
     return any(o.name == "transport" for o in OPTIONS)
 
@@ -193,7 +193,7 @@ class Processes:
     def start(self) -> None:
         env = self.env(REPO)
         self.upstream = subprocess.Popen(
-            [sys.executable, "-m", "shim.bench", "upstream", "--listen", str(self.upstream_sock)],
+            [sys.executable, "-m", "shim.tools.bench", "upstream", "--listen", str(self.upstream_sock)],
             stdout=subprocess.PIPE, stderr=open(self.dir / "upstream.log", "w"), env=env, text=True)
         line = self.upstream.stdout.readline()
         if "listening" not in line:
@@ -347,7 +347,7 @@ def prepare(target: str, sizes: Sizes, trace: Path | None) -> Workload:
     import grpc
 
     from shim.cri import api_pb2_grpc, pb
-    from shim.kubelet_requests import create_container, sandbox_config
+    from shim.testing.kubelet_requests import create_container, sandbox_config
 
     w = Workload()
     calls = trace_calls(trace) if trace is not None and trace.exists() else []
@@ -408,7 +408,7 @@ def replay_schedule(w: Workload, pods: int, seconds: float) -> list[tuple[float,
     """(offset, method path, request) for ``seconds`` of kubelet-like steady load on ``pods`` pods:
     per-container and per-pod calls scaled from the trace's node, the rest as recorded."""
     from shim.cri import pb
-    from shim.transport.methods import CRI_METHODS
+    from shim.cri.methods import CRI_METHODS
 
     paths = {m.name: m.path for m in CRI_METHODS}
     out: list[tuple[float, str, bytes]] = []
@@ -731,8 +731,8 @@ def hook_cost(template, n: int) -> float:
     """µs per call of the decision code's rewrite() on the benchmark's CreateContainer, in this
     process, built as `serve` builds it: the share of a rewrite no transport can save."""
     from shim.decision import Policy
-    from shim.node import load_kubelet_config, node_facts
-    from shim.service import build_container_qos, build_request_hooks
+    from shim.node.facts import load_kubelet_config, node_facts
+    from shim.app.service import build_container_qos, build_request_hooks
     from shim.transport.hooks import CREATE_CONTAINER as METHOD
 
     node = node_facts(16 * 1024 * MiB, load_kubelet_config(None), page_size=4096, allocatable=None, factor="auto")
@@ -863,7 +863,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["upstream"]:
-        p = argparse.ArgumentParser(prog="python -m shim.bench upstream")
+        p = argparse.ArgumentParser(prog="python -m shim.tools.bench upstream")
         p.add_argument("--listen", required=True)
         return run_upstream(p.parse_args(argv[1:]).listen)
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])

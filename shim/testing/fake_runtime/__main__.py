@@ -1,4 +1,4 @@
-"""python -m shim.fake_runtime --listen PATH [--cgroup-driver cgroupfs|systemd] ...
+"""python -m shim.testing.fake_runtime --listen PATH [--cgroup-driver cgroupfs|systemd] ...
 
 Runs the fake CRI runtime in the foreground until SIGTERM or SIGINT, then stops the server,
 removes the socket and exits 0. Prints one line "fake-runtime listening on unix:///PATH" to
@@ -14,10 +14,10 @@ import sys
 
 import grpc
 
-from shim.fake_runtime.runtime import CGROUPFS, SYSTEMD, FakeRuntime
-from shim.fake_runtime.server import DEFAULT_MAX_MESSAGE_BYTES, _remove_stale_socket, serve_fake_runtime, socket_path
+from shim.testing.fake_runtime.runtime import CGROUPFS, SYSTEMD, FakeRuntime
+from shim.testing.fake_runtime.server import DEFAULT_MAX_MESSAGE_BYTES, _remove_stale_socket, serve_fake_runtime, socket_path
 
-log = logging.getLogger("shim.fake_runtime")
+log = logging.getLogger("shim.testing.fake_runtime")
 
 
 def _parse_delay(text: str) -> tuple[str, float]:
@@ -43,7 +43,7 @@ def _parse_fail(text: str) -> tuple[str, tuple[grpc.StatusCode, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shim.fake_runtime", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m shim.testing.fake_runtime", description=__doc__.split("\n\n")[1])
     p.add_argument("--listen", required=True, help="unix socket path (or unix:///path) to serve on")
     p.add_argument("--cgroup-driver", choices=(CGROUPFS, SYSTEMD), default=CGROUPFS)
     p.add_argument("--cgroup-root", default=None, metavar="DIR",

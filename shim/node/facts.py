@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import yaml
 
 from shim.decision import NodeFacts
-from shim.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import QuantityError, parse_bytes
 
 log = logging.getLogger(__name__)
 

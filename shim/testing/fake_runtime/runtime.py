@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from shim.cri import pb
-from shim.fake_runtime import _gojson
+from shim.testing.fake_runtime import _gojson
 
 RUNTIME_SERVICE = "runtime.v1.RuntimeService"
 IMAGE_SERVICE = "runtime.v1.ImageService"

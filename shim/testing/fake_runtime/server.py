@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from shim.cri import pb
-from shim.fake_runtime.runtime import METHODS, SERVICES, CriError, FakeRuntime, _go_duration
+from shim.testing.fake_runtime.runtime import METHODS, SERVICES, CriError, FakeRuntime, _go_duration
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 

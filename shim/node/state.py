@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
-from shim.container_qos import CONTAINER_ANNOTATION
+from shim.container.rewriter import CONTAINER_ANNOTATION
 from shim.cri import pb
 from shim.decision import ContainerFacts, PodFacts, QoSClass, parse_cgroup_parent, resolve_request
 from shim.decision.qos import qos_from_oom_score_adj

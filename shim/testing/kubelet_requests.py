@@ -75,7 +75,7 @@ def update_resources(container_id: str, *, limit: int, oom_score_adj: int, unifi
 def kubelet_unified(writes, qos: str, *, request: int = 0, limit: int = 0, allocatable: int = 0,
                     page_size: int = 4096, oom_group: bool = True) -> dict[str, str]:
     """The ``unified`` map a kubelet puts in a container's LinuxContainerResources on cgroup v2,
-    for the kubelet described by ``writes`` (shim.kubelet_model.KubeletWrites): what the shim
+    for the kubelet described by ``writes`` (shim.node.kubelet.KubeletWrites): what the shim
     receives from kubelets of each version (kuberuntime_container_linux.go, KEP-2570).
 
     * v1.32+ on cgroup v2 (singleProcessOOMKill unset): memory.oom.group="1";
