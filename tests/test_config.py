@@ -9,28 +9,34 @@ from pathlib import Path
 
 import pytest
 
-from shim.app.config import OPTIONS, Config, add_arguments, resolve, settings_source
+from shim.app.config import OPTIONS, Config, Option, add_arguments, resolve, settings_source
 from shim.app.settings import FIELDS
 from shim.decision import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ROOT / "shim" / "app" / "settings.py"
 
 
 def test_settings_module_is_current():
-    assert settings_source() == (ROOT / "shim" / "app" / "settings.py").read_text(encoding="utf-8"), (
-        "shim/app/settings.py is stale: run scripts/gen-config"
-    )
+    text = SETTINGS.read_text(encoding="utf-8")
+    assert settings_source(text) == text, "shim/app/settings.py is stale: run scripts/gen-config"
 
 
 def test_gen_config_writes_the_settings_module(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-config"), str(tmp_path / "settings.py")], check=True)
-    assert (tmp_path / "settings.py").read_text(encoding="utf-8") == settings_source()
+    assert (tmp_path / "settings.py").read_text(encoding="utf-8") == SETTINGS.read_text(encoding="utf-8")
 
 
-def test_a_changed_table_changes_the_source():
+def test_a_changed_table_changes_only_the_fields():
+    text = SETTINGS.read_text(encoding="utf-8")
     changed = tuple(dataclasses.replace(o, default=7.0) if o.name == "guard-window" else o for o in OPTIONS)
-    assert "    guard_window: float = 7.0\n" in settings_source(changed)
-    assert "    guard_window: float = 30.0\n" in settings_source()
+    changed += (Option("new-one", "int | None", None, int, "a new setting"),)
+    new = settings_source(text, changed)
+    assert "    guard_window: float = 30.0\n" in text and "new_one" not in text
+    assert new.replace("    guard_window: float = 7.0\n", "    guard_window: float = 30.0\n").replace(
+        "    #: --new-one: a new setting\n    new_one: int | None = None\n", "") == text
+    with pytest.raises(ValueError):
+        settings_source(text.replace("gen-config: end", "gen-config"))
 
 
 def test_one_field_per_option_with_the_tables_default_and_type():

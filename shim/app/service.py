@@ -47,7 +47,7 @@ def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_ro
     return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership)
 
 
-def kubelet_ownership(cfg, kubelet):
+def kubelet_ownership(cfg: Config, kubelet):
     """(KubeletWrites, Ownership, how the version was found) for this node: the kubelet's
     version (--kubelet-version; 'auto' runs `kubelet --version` once, here at start-up, never on
     the CRI path), what it writes itself, and who owns each value."""
