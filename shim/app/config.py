@@ -28,9 +28,6 @@ from shim.app.settings import FIELDS, Config
 from shim.decision import POLICY_ALIASES, Policy
 from shim.decision.quantity import QuantityError, parse_bytes
 
-__all__ = ["OPTIONS", "Config", "ConfigError", "Option", "add_arguments", "load_file", "resolve",
-           "settings_source"]
-
 
 class ConfigError(ValueError):
     pass
