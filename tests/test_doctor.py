@@ -3,6 +3,7 @@ the real upstream check against the fake runtime, and that no check can crash th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import tempfile
@@ -135,7 +136,7 @@ def test_cgroup_v1_mount_details_for_the_real_root(node):
               "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n")
     c = cfg(cgroup_root=str(node / "nonexistent-root"))
     d = Doctor(c, env(fake_proc(node, mounts=mounts)))
-    d.cfg._values["cgroup_root"] = "/sys/fs/cgroup"
+    d.cfg = dataclasses.replace(d.cfg, cgroup_root="/sys/fs/cgroup")
     if os.path.isfile("/sys/fs/cgroup/cgroup.controllers"):
         pytest.skip("this host is cgroup v2")
     r = d.check_cgroup_v2()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import stat
-from types import SimpleNamespace
+from dataclasses import replace
 
+from shim.app.config import Config
 from shim.decision.guard import GuardConfig
 from shim.guard.episodes import EpisodeFile
 from shim.guard.monitor import Monitor, episode_file
@@ -194,6 +195,6 @@ def test_unwritable_file_keeps_the_episode_in_memory(tmp_path):
 
 
 def test_auto_path_is_next_to_the_socket(tmp_path):
-    cfg = SimpleNamespace(guard_state="auto", listen=f"unix://{tmp_path}/s/memqos-shim.sock")
+    cfg = Config(guard_state="auto", listen=f"unix://{tmp_path}/s/memqos-shim.sock")
     assert episode_file(cfg).path == f"{tmp_path}/s/guard-episodes.json"
-    assert episode_file(SimpleNamespace(guard_state=None, listen="unix:///x.sock")) is None
+    assert episode_file(replace(cfg, guard_state=None, listen="unix:///x.sock")) is None

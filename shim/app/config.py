@@ -4,16 +4,27 @@ Precedence: a flag on the command line > the YAML file > the built-in default.
 YAML keys are the flag names without dashes prefix, e.g. `node-allocatable: 30Gi`
 (underscores also accepted). Unknown keys are an error, so a typo cannot silently
 leave a node with defaults.
+
+OPTIONS is the one table of the settings: flag name, Python type, default, parser, help.
+The resolved settings are a `Config` (shim/app/settings.py): a frozen dataclass with one typed
+field per option and the table's default. Its fields are written into that file from OPTIONS
+by `scripts/gen-config` (settings_source() below) and committed, rather than built with
+dataclasses.make_dataclass at import, so that a reader and a type checker see every field and
+its type; tests/test_config.py fails when the committed fields are not what the table makes.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import textwrap
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable
 
 import yaml
 
+from shim.app.settings import FIELDS, Config
 from shim.decision import POLICY_ALIASES, Policy
 from shim.decision.quantity import QuantityError, parse_bytes
 
@@ -207,7 +218,10 @@ def _octal_mode(v: Any) -> int:
 
 @dataclass(frozen=True)
 class Option:
+    """One setting: the flag --NAME, the YAML key NAME and the Config field NAME_WITH_UNDERSCORES."""
+
     name: str  # flag name without --
+    type: str  # the Config field's type annotation, e.g. "float | None"
     default: Any
     parse: Callable[[Any], Any]
     help: str
@@ -215,117 +229,105 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("listen", "unix:///run/memqos-shim/memqos-shim.sock", str,
+    Option("listen", "str", "unix:///run/memqos-shim/memqos-shim.sock", str,
            "socket the kubelet connects to (unix:///path or /path)"),
-    Option("upstream", "unix:///run/containerd/containerd.sock", str,
+    Option("upstream", "str", "unix:///run/containerd/containerd.sock", str,
            "the runtime's CRI socket (containerd or CRI-O)"),
-    Option("kubelet-config", "/var/lib/kubelet/config.yaml", _optional_path,
+    Option("kubelet-config", "str | None", "/var/lib/kubelet/config.yaml", _optional_path,
            "KubeletConfiguration file to read reservations, cgroup driver and factor from; 'none' to skip"),
-    Option("kubelet-version", "auto", _kubelet_version,
+    Option("kubelet-version", "str", "auto", _kubelet_version,
            "the kubelet's version (e.g. 1.37), for what it writes itself (MemoryQoS defaults changed in 1.36 "
            "and 1.37); 'auto': run `kubelet --version` (the running kubelet's executable, else the one on PATH) "
            "once at start-up; 'unknown': assume the conservative case", "V"),
-    Option("cgroup-root", "/sys/fs/cgroup", str, "where the cgroup v2 hierarchy is mounted"),
-    Option("node-allocatable", None, _quantity,
+    Option("cgroup-root", "str", "/sys/fs/cgroup", str, "where the cgroup v2 hierarchy is mounted"),
+    Option("node-allocatable", "int | None", None, _quantity,
            "node allocatable memory (quantity); default: MemTotal - kubeReserved - systemReserved", "Q"),
-    Option("factor", "auto", _factor,
+    Option("factor", "float | str | None", "auto", _factor,
            "memory throttling factor in (0, 1] for memory.high, or 'none'; default: the kubelet's "
            "memoryThrottlingFactor when its config sets one, else 0.9", "F"),
-    Option("policy", Policy.HARD, _policy,
+    Option("policy", "Policy", Policy.HARD, _policy,
            "protection policy, named like the kubelet's memoryReservationPolicy: Hard (memory.min = request "
            "for every pod and container with one), Soft (memory.low = request for all), TieredReservation "
            "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); the earlier "
            "names request (= Hard), tiered (= TieredReservation) and none (= None) are still accepted"),
-    Option("audit-log", "-", _optional_path, "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
-    Option("page-size", None, _positive_int, "page size for rounding memory.high; default: the system's", "N"),
-    Option("socket-group", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
-    Option("transport", "relay", _transport,
+    Option("audit-log", "str | None", "-", _optional_path,
+           "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
+    Option("page-size", "int | None", None, _positive_int,
+           "page size for rounding memory.high; default: the system's", "N"),
+    Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
+    Option("transport", "str", "relay", _transport,
            "how calls are relayed: relay (an HTTP/2 connection relay that decodes headers and holds only "
            "CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a grpcio server and "
            "channel per call; about +0.6 ms)"),
-    Option("socket-mode", None, _octal_mode, "socket mode (octal); default 0600, or 0660 with --socket-group"),
-    Option("meminfo", "/proc/meminfo", str, "where MemTotal is read from"),
-    Option("log-level", "info", str, "debug, info, warning or error"),
-    Option("record", None, _record_path,
+    Option("socket-mode", "int | None", None, _octal_mode,
+           "socket mode (octal); default 0600, or 0660 with --socket-group"),
+    Option("meminfo", "str", "/proc/meminfo", str, "where MemTotal is read from"),
+    Option("log-level", "str", "info", str, "debug, info, warning or error"),
+    Option("record", "str | None", None, _record_path,
            "record every finished CRI call to FILE in the cri-trace format (request as the kubelet sent "
            "it, forwarded bytes when rewritten, responses, code, timing); default: off", "FILE"),
-    Option("record-max-bytes", 64 * 1024 * 1024, _quantity,
+    Option("record-max-bytes", "int", 64 * 1024 * 1024, _quantity,
            "rotate the record file before it grows past this size (quantity)", "Q"),
-    Option("record-keep", 3, _non_negative_int, "rotated record files kept: FILE.1 ... FILE.N", "N"),
-    Option("record-methods", None, _regex,
+    Option("record-keep", "int", 3, _non_negative_int, "rotated record files kept: FILE.1 ... FILE.N", "N"),
+    Option("record-methods", "str | None", None, _regex,
            "record only methods whose full path matches REGEX (re.search); default: every method except "
            "the high-volume polling calls (ListContainerStats, ListPodSandboxStats, ContainerStats, "
            "PodSandboxStats, ListContainers, ListPodSandbox, ContainerStatus, PodSandboxStatus, ImageFsInfo, "
            "Status, Version, ListImages, ImageStatus); 'all' or '.' records every call", "REGEX"),
-    Option("reconcile", True, _bool,
+    Option("reconcile", "bool", True, _bool,
            "write pod, QoS-class and node (kubepods, reserved) memory.min/memory.low from a side thread; "
            "false leaves those cgroups alone"),
-    Option("resync-interval", 30.0, _positive_float,
+    Option("resync-interval", "float", 30.0, _positive_float,
            "seconds between resyncs with the runtime that recompute pod/QoS/node values and repair drift", "S"),
-    Option("systemd-writes", "auto", _systemd_writes,
+    Option("systemd-writes", "str", "auto", _systemd_writes,
            "how pod/QoS/node values are written: dbus (systemd's SetUnitProperties MemoryMin=/MemoryLow= on the "
            "slice units, runtime, so systemd keeps them across daemon-reload and its own property changes), "
            "cgroupfs (directly to the files), auto (dbus when the cgroup driver is systemd and systemd is PID 1, "
            "else cgroupfs)"),
-    Option("metrics-address", None, _metrics_address,
+    Option("metrics-address", "str | None", None, _metrics_address,
            "serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT); default: off", "ADDR"),
-    Option("monitor-interval", 5.0, _non_negative_float,
+    Option("monitor-interval", "float", 5.0, _non_negative_float,
            "seconds between samples of every managed container's memory.* files (metrics and the memory.high "
            "guard; read in a side thread, never on the CRI path); 0 turns sampling and the guard off", "S"),
-    Option("guard-action", "relax", _guard_action,
+    Option("guard-action", "str", "relax", _guard_action,
            "what the memory.high guard does when a container crawls at memory.high: relax (write max to its "
            "memory.high until it is calm again) or none (audit and count only)"),
-    Option("guard-threshold", 40.0, _percent,
+    Option("guard-threshold", "float", 40.0, _percent,
            "PSI memory.pressure 'full' avg10 (percent) at or above which a container at memory.high counts as "
            "crawling", "PCT"),
-    Option("guard-window", 30.0, _positive_float,
+    Option("guard-window", "float", 30.0, _positive_float,
            "seconds the crawl must last before the guard acts", "S"),
-    Option("guard-cooldown", 300.0, _positive_float,
+    Option("guard-cooldown", "float", 300.0, _positive_float,
            "seconds a relaxed container must stay calm before its computed memory.high is restored", "S"),
-    Option("guard-state", "auto", _optional_path,
+    Option("guard-state", "str | None", "auto", _optional_path,
            "file that keeps the guard's open episodes (relaxed containers and the memory.high to restore) so a "
            "restarted shim resumes them; 'auto': guard-episodes.json next to the --listen socket; 'none': in "
            "memory only (a restart leaves relaxed containers at max)", "FILE"),
-    Option("reclaim", False, _bool,
+    Option("reclaim", "bool", False, _bool,
            "proactive reclaim: write to a Burstable container's memory.reclaim (kernel >= 5.19) from the monitor "
            "when memory.current comes within the headroom of memory.high, so that its clean page cache is "
            "reclaimed before the kernel throttles it at memory.high; needs --monitor-interval > 0"),
-    Option("reclaim-headroom", 10.0, _percent,
+    Option("reclaim-headroom", "float", 10.0, _percent,
            "reclaim once memory.current is within this percentage of memory.high (down to memory.high minus "
            "1.5 x the headroom)", "PCT"),
-    Option("reclaim-headroom-min", 8 * 1024 * 1024, _quantity, "the headroom is at least this (quantity)", "Q"),
-    Option("reclaim-step", 32 * 1024 * 1024, _quantity, "at most this much per memory.reclaim write (quantity)", "Q"),
-    Option("reclaim-rate", 16 * 1024 * 1024, _quantity,
+    Option("reclaim-headroom-min", "int", 8 * 1024 * 1024, _quantity,
+           "the headroom is at least this (quantity)", "Q"),
+    Option("reclaim-step", "int", 32 * 1024 * 1024, _quantity,
+           "at most this much per memory.reclaim write (quantity)", "Q"),
+    Option("reclaim-rate", "int", 16 * 1024 * 1024, _quantity,
            "at most this much reclaim asked per second and container (quantity; up to 5 s of it saved up)", "Q"),
-    Option("reclaim-psi-some", 10.0, _percent,
+    Option("reclaim-psi-some", "float", 10.0, _percent,
            "reclaim only while the container's memory.pressure 'some' avg10 is below this percentage; above it "
            "right after a reclaim, back off", "PCT"),
-    Option("reclaim-refault-tolerance", 1024 * 1024, _quantity,
+    Option("reclaim-refault-tolerance", "int", 1024 * 1024, _quantity,
            "back off when the container's refaults (memory.stat workingset_refault_*) grow by more than this "
            "between two samples: the cache being reclaimed is its working set (quantity)", "Q"),
-    Option("reclaim-backoff", 60.0, _positive_float,
+    Option("reclaim-backoff", "float", 60.0, _positive_float,
            "seconds without reclaim for a container after pressure, refaults or an EAGAIN that freed nothing", "S"),
-    Option("reclaim-audit-interval", 60.0, _positive_float,
+    Option("reclaim-audit-interval", "float", 60.0, _positive_float,
            "at most one 'reclaim' audit record per container per this many seconds (sums of the writes)", "S"),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
-
-
-class Config:
-    """Resolved settings; attribute names use underscores (cfg.node_allocatable)."""
-
-    def __init__(self, values: dict[str, Any], origin: dict[str, str]):
-        self._values = values
-        self.origin = origin  # name -> "flag" | "file" | "default"
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: (v.value if isinstance(v, Policy) else v) for k, v in self._values.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...] = OPTIONS) -> None:
@@ -366,11 +368,39 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
         elif o.name in from_file:
             raw, where = from_file[o.name], "file"
         else:
-            values[attr], origin[attr] = o.default, "default"
             continue
         try:
             values[attr] = o.parse(raw)
         except ConfigError as e:
             raise ConfigError(f"--{o.name}: {e}") from None
         origin[attr] = where
-    return Config(values, origin)
+    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
+
+
+def _literal(value: Any) -> str:
+    """A default as Python source: Policy.HARD, 64 * 1024 * 1024, "auto"."""
+    if isinstance(value, Policy):
+        return f"Policy.{value.name}"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value and value % (1024 * 1024) == 0:
+        return f"{value // (1024 * 1024)} * 1024 * 1024"
+    return repr(value)
+
+
+BEGIN_FIELDS = "    # -- fields generated from OPTIONS by scripts/gen-config: begin\n"
+END_FIELDS = "    # -- fields generated from OPTIONS by scripts/gen-config: end\n"
+
+
+def settings_source(text: str, options: tuple[Option, ...] = OPTIONS) -> str:
+    """`text` (shim/app/settings.py) with the Config fields between its BEGIN_FIELDS and
+    END_FIELDS lines made anew from the options table; the rest of the file is kept as it is."""
+    head, begin, rest = text.partition(BEGIN_FIELDS)
+    _, end, tail = rest.partition(END_FIELDS)
+    if not begin or not end:
+        raise ValueError("settings.py: the lines that mark the generated fields are missing")
+    body = []
+    for o in options:
+        body += textwrap.wrap(f"--{o.name}: {o.help}", 100, initial_indent="    #: ", subsequent_indent="    #: ")
+        body.append(f"    {o.name.replace('-', '_')}: {o.type} = {_literal(o.default)}")
+    return head + begin + "\n".join(body) + "\n" + end + tail

@@ -47,13 +47,13 @@ def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_ro
     return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership)
 
 
-def kubelet_ownership(cfg, kubelet):
+def kubelet_ownership(cfg: Config, kubelet):
     """(KubeletWrites, Ownership, how the version was found) for this node: the kubelet's
     version (--kubelet-version; 'auto' runs `kubelet --version` once, here at start-up, never on
     the CRI path), what it writes itself, and who owns each value."""
     from shim.node.kubelet import detect_kubelet_version, kubelet_writes, ownership
 
-    version, how = detect_kubelet_version(getattr(cfg, "kubelet_version", "auto") or "auto")
+    version, how = detect_kubelet_version(cfg.kubelet_version)
     writes = kubelet_writes(kubelet, version)
     return writes, ownership(writes, cfg.policy), how
 
@@ -136,7 +136,7 @@ class Service:
         for line in owners.lines():
             log.info("owner: %s", line)
         recorder = start_recorder(cfg, node, kubelet, capacity, v2, writes.version) \
-            if getattr(cfg, "record", None) else None
+            if cfg.record else None
         from shim.node.reconciler import build_reconciler
 
         reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
@@ -144,7 +144,7 @@ class Service:
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler) if v2 else None
         metrics = None
-        if getattr(cfg, "metrics_address", None):  # prometheus_client costs ~2.5 MiB of RSS: only when used
+        if cfg.metrics_address:  # prometheus_client costs ~2.5 MiB of RSS: only when used
             from shim.evidence.metrics import build_metrics
 
             metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
@@ -153,7 +153,7 @@ class Service:
 
     async def start(self) -> None:
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)
-        if getattr(self.cfg, "transport", "grpc") == "relay":
+        if self.cfg.transport == "relay":
             from shim.transport.loop_thread import ThreadedProxy, uvloop_factory
             from shim.transport.relay import RelayProxy
 

@@ -354,6 +354,6 @@ def is_loopback(host: str) -> bool:
 
 def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None) -> Metrics | None:
     """The metrics `serve` runs (None without --metrics-address)."""
-    if not getattr(cfg, "metrics_address", None):
+    if not cfg.metrics_address:
         return None
     return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler)

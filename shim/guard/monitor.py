@@ -757,12 +757,12 @@ class Monitor:
 
 
 def guard_config(cfg) -> GuardConfig:
-    interval = getattr(cfg, "monitor_interval", 5.0) or 5.0
+    interval = cfg.monitor_interval or 5.0
     return GuardConfig(
-        action=GuardAction(getattr(cfg, "guard_action", "relax")),
-        threshold=getattr(cfg, "guard_threshold", 40.0),
-        window=getattr(cfg, "guard_window", 30.0),
-        cooldown=getattr(cfg, "guard_cooldown", 300.0),
+        action=GuardAction(cfg.guard_action),
+        threshold=cfg.guard_threshold,
+        window=cfg.guard_window,
+        cooldown=cfg.guard_cooldown,
         max_gap=max(3 * interval, 15.0),
     )
 
@@ -774,18 +774,17 @@ def _new_acc(now: float) -> dict:
 
 def reclaim_config(cfg) -> rc.ReclaimConfig | None:
     """--reclaim and its settings (None: off, the default)."""
-    if not getattr(cfg, "reclaim", False):
+    if not cfg.reclaim:
         return None
-    interval = getattr(cfg, "monitor_interval", 5.0) or 5.0
-    d = rc.ReclaimConfig()
+    interval = cfg.monitor_interval or 5.0
     return rc.ReclaimConfig(
-        headroom_fraction=getattr(cfg, "reclaim_headroom", d.headroom_fraction * 100) / 100.0,
-        headroom_min_bytes=getattr(cfg, "reclaim_headroom_min", d.headroom_min_bytes),
-        step_bytes=getattr(cfg, "reclaim_step", d.step_bytes),
-        rate_bytes=getattr(cfg, "reclaim_rate", d.rate_bytes),
-        psi_some_target=getattr(cfg, "reclaim_psi_some", d.psi_some_target),
-        refault_tolerance_bytes=getattr(cfg, "reclaim_refault_tolerance", d.refault_tolerance_bytes),
-        backoff=getattr(cfg, "reclaim_backoff", d.backoff),
+        headroom_fraction=cfg.reclaim_headroom / 100.0,
+        headroom_min_bytes=cfg.reclaim_headroom_min,
+        step_bytes=cfg.reclaim_step,
+        rate_bytes=cfg.reclaim_rate,
+        psi_some_target=cfg.reclaim_psi_some,
+        refault_tolerance_bytes=cfg.reclaim_refault_tolerance,
+        backoff=cfg.reclaim_backoff,
         max_gap=max(3 * interval, 15.0),
     )
 
@@ -793,9 +792,9 @@ def reclaim_config(cfg) -> rc.ReclaimConfig | None:
 def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, container_qos=None,
                   reconciler=None) -> Monitor | None:
     """The monitor `serve` runs (None with --monitor-interval 0)."""
-    interval = getattr(cfg, "monitor_interval", 5.0)
+    interval = cfg.monitor_interval
     if not interval:
-        if getattr(cfg, "reclaim", False):
+        if cfg.reclaim:
             log.warning("--reclaim true has no effect with --monitor-interval 0: the monitor runs the reclaim")
         return None
     sources = []
@@ -814,13 +813,13 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
                    emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
                    reclaim=reclaim_config(cfg),
-                   reclaim_audit_interval=getattr(cfg, "reclaim_audit_interval", 60.0))
+                   reclaim_audit_interval=cfg.reclaim_audit_interval)
 
 
 def episode_file(cfg) -> EpisodeFile | None:
     """--guard-state: 'auto' is guard-episodes.json next to the shim's socket (a directory only
     the shim writes); none keeps episodes in memory only."""
-    path = getattr(cfg, "guard_state", None)
+    path = cfg.guard_state
     if path == "auto":
         from shim.transport.endpoints import socket_path
 

@@ -562,7 +562,7 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
                      ownership=None) -> Reconciler | None:
     """The reconciler `serve` runs (None with --reconcile false). Its runtime client talks to
     the upstream directly, not through the proxy."""
-    if not getattr(cfg, "reconcile", True):
+    if not cfg.reconcile:
         return None
     from shim.node.runtime_client import RuntimeClient
 
@@ -574,7 +574,7 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
         page_size=node.page_size,
         emit=emit,
         client_factory=lambda: RuntimeClient(cfg.upstream),
-        resync_interval=getattr(cfg, "resync_interval", 30.0),
+        resync_interval=cfg.resync_interval,
         ownership=ownership,
-        systemd_writes=getattr(cfg, "systemd_writes", "auto"),
+        systemd_writes=cfg.systemd_writes,
     )

@@ -243,7 +243,7 @@ class Doctor:
         """(KubeletWrites, Ownership, how the version was found), as `serve` would see them."""
         from shim.node.kubelet import detect_kubelet_version, kubelet_writes, ownership
 
-        version, how = detect_kubelet_version(getattr(self.cfg, "kubelet_version", "auto") or "auto",
+        version, how = detect_kubelet_version(self.cfg.kubelet_version,
                                               proc_root=self.env.proc)
         writes = kubelet_writes(self.kubelet, version)
         return writes, ownership(writes, self.cfg.policy), how
@@ -596,7 +596,7 @@ class Doctor:
         old = v is not None and v < MIN_KERNEL_RECLAIM
         avail = f"memory.reclaim available ({path})" if path else (
             f"memory.reclaim not available: {where}" + (" (kernel older than 5.19)" if old else ""))
-        if not getattr(self.cfg, "reclaim", False):
+        if not self.cfg.reclaim:
             return Result(name, PASS, f"off (--reclaim false, the default); {avail}")
         from shim.decision.quantity import format_bytes
 
@@ -626,7 +626,7 @@ def format_results(results: list[Result], header: str = "") -> str:
 
 
 def cmd_doctor(args: argparse.Namespace, env: Env | None = None) -> int:
-    from shim.app.config import OPTIONS, ConfigError, resolve
+    from shim.app.config import Config, ConfigError, resolve
 
     note = ""
     if not getattr(args, "config", None) and os.path.isfile(DEFAULT_CONFIG):
@@ -637,7 +637,7 @@ def cmd_doctor(args: argparse.Namespace, env: Env | None = None) -> int:
         note = f"config: {args.config}" if getattr(args, "config", None) else "config: built-in defaults and flags"
     except ConfigError as e:
         results.append(Result("config", FAIL, str(e), ["the checks below use the built-in defaults"]))
-        cfg = resolve(argparse.Namespace(**{o.name.replace("-", "_"): None for o in OPTIONS}))
+        cfg = Config()
         note = "config: unusable, defaults"
     try:
         results += Doctor(cfg, env).run()

@@ -1,0 +1,155 @@
+"""The resolved settings of memqos-shim: one typed field per option of the table
+shim.app.config.OPTIONS, with the table's default. `Config()` is every default;
+`dataclasses.replace(cfg, reclaim=True)` makes a variant; shim.app.config.resolve() makes one
+from flags and the YAML file.
+
+The fields between the two "generated" lines are written by scripts/gen-config from OPTIONS
+in shim/app/config.py: do not edit them; change the table and run scripts/gen-config
+(tests/test_config.py fails when they are stale). The rest of this file is written by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from shim.decision import Policy
+
+
+def _all_default() -> Mapping[str, str]:
+    return MappingProxyType(dict.fromkeys(FIELDS, "default"))
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Settings of the shim; attribute names use underscores (cfg.node_allocatable)."""
+
+    # -- fields generated from OPTIONS by scripts/gen-config: begin
+    #: --listen: socket the kubelet connects to (unix:///path or /path)
+    listen: str = "unix:///run/memqos-shim/memqos-shim.sock"
+    #: --upstream: the runtime's CRI socket (containerd or CRI-O)
+    upstream: str = "unix:///run/containerd/containerd.sock"
+    #: --kubelet-config: KubeletConfiguration file to read reservations, cgroup driver and factor
+    #: from; 'none' to skip
+    kubelet_config: str | None = "/var/lib/kubelet/config.yaml"
+    #: --kubelet-version: the kubelet's version (e.g. 1.37), for what it writes itself (MemoryQoS
+    #: defaults changed in 1.36 and 1.37); 'auto': run `kubelet --version` (the running kubelet's
+    #: executable, else the one on PATH) once at start-up; 'unknown': assume the conservative case
+    kubelet_version: str = "auto"
+    #: --cgroup-root: where the cgroup v2 hierarchy is mounted
+    cgroup_root: str = "/sys/fs/cgroup"
+    #: --node-allocatable: node allocatable memory (quantity); default: MemTotal - kubeReserved -
+    #: systemReserved
+    node_allocatable: int | None = None
+    #: --factor: memory throttling factor in (0, 1] for memory.high, or 'none'; default: the
+    #: kubelet's memoryThrottlingFactor when its config sets one, else 0.9
+    factor: float | str | None = "auto"
+    #: --policy: protection policy, named like the kubelet's memoryReservationPolicy: Hard
+    #: (memory.min = request for every pod and container with one), Soft (memory.low = request for
+    #: all), TieredReservation (Guaranteed: memory.min, Burstable: memory.low), None (no
+    #: memory.min/memory.low); the earlier names request (= Hard), tiered (= TieredReservation) and
+    #: none (= None) are still accepted
+    policy: Policy = Policy.HARD
+    #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard
+    audit_log: str | None = "-"
+    #: --page-size: page size for rounding memory.high; default: the system's
+    page_size: int | None = None
+    #: --socket-group: group allowed to use the socket (mode becomes 0660)
+    socket_group: str | None = None
+    #: --transport: how calls are relayed: relay (an HTTP/2 connection relay that decodes headers
+    #: and holds only CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a
+    #: grpcio server and channel per call; about +0.6 ms)
+    transport: str = "relay"
+    #: --socket-mode: socket mode (octal); default 0600, or 0660 with --socket-group
+    socket_mode: int | None = None
+    #: --meminfo: where MemTotal is read from
+    meminfo: str = "/proc/meminfo"
+    #: --log-level: debug, info, warning or error
+    log_level: str = "info"
+    #: --record: record every finished CRI call to FILE in the cri-trace format (request as the
+    #: kubelet sent it, forwarded bytes when rewritten, responses, code, timing); default: off
+    record: str | None = None
+    #: --record-max-bytes: rotate the record file before it grows past this size (quantity)
+    record_max_bytes: int = 64 * 1024 * 1024
+    #: --record-keep: rotated record files kept: FILE.1 ... FILE.N
+    record_keep: int = 3
+    #: --record-methods: record only methods whose full path matches REGEX (re.search); default:
+    #: every method except the high-volume polling calls (ListContainerStats, ListPodSandboxStats,
+    #: ContainerStats, PodSandboxStats, ListContainers, ListPodSandbox, ContainerStatus,
+    #: PodSandboxStatus, ImageFsInfo, Status, Version, ListImages, ImageStatus); 'all' or '.'
+    #: records every call
+    record_methods: str | None = None
+    #: --reconcile: write pod, QoS-class and node (kubepods, reserved) memory.min/memory.low from a
+    #: side thread; false leaves those cgroups alone
+    reconcile: bool = True
+    #: --resync-interval: seconds between resyncs with the runtime that recompute pod/QoS/node
+    #: values and repair drift
+    resync_interval: float = 30.0
+    #: --systemd-writes: how pod/QoS/node values are written: dbus (systemd's SetUnitProperties
+    #: MemoryMin=/MemoryLow= on the slice units, runtime, so systemd keeps them across daemon-reload
+    #: and its own property changes), cgroupfs (directly to the files), auto (dbus when the cgroup
+    #: driver is systemd and systemd is PID 1, else cgroupfs)
+    systemd_writes: str = "auto"
+    #: --metrics-address: serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT);
+    #: default: off
+    metrics_address: str | None = None
+    #: --monitor-interval: seconds between samples of every managed container's memory.* files
+    #: (metrics and the memory.high guard; read in a side thread, never on the CRI path); 0 turns
+    #: sampling and the guard off
+    monitor_interval: float = 5.0
+    #: --guard-action: what the memory.high guard does when a container crawls at memory.high: relax
+    #: (write max to its memory.high until it is calm again) or none (audit and count only)
+    guard_action: str = "relax"
+    #: --guard-threshold: PSI memory.pressure 'full' avg10 (percent) at or above which a container
+    #: at memory.high counts as crawling
+    guard_threshold: float = 40.0
+    #: --guard-window: seconds the crawl must last before the guard acts
+    guard_window: float = 30.0
+    #: --guard-cooldown: seconds a relaxed container must stay calm before its computed memory.high
+    #: is restored
+    guard_cooldown: float = 300.0
+    #: --guard-state: file that keeps the guard's open episodes (relaxed containers and the
+    #: memory.high to restore) so a restarted shim resumes them; 'auto': guard-episodes.json next to
+    #: the --listen socket; 'none': in memory only (a restart leaves relaxed containers at max)
+    guard_state: str | None = "auto"
+    #: --reclaim: proactive reclaim: write to a Burstable container's memory.reclaim (kernel >=
+    #: 5.19) from the monitor when memory.current comes within the headroom of memory.high, so that
+    #: its clean page cache is reclaimed before the kernel throttles it at memory.high; needs
+    #: --monitor-interval > 0
+    reclaim: bool = False
+    #: --reclaim-headroom: reclaim once memory.current is within this percentage of memory.high
+    #: (down to memory.high minus 1.5 x the headroom)
+    reclaim_headroom: float = 10.0
+    #: --reclaim-headroom-min: the headroom is at least this (quantity)
+    reclaim_headroom_min: int = 8 * 1024 * 1024
+    #: --reclaim-step: at most this much per memory.reclaim write (quantity)
+    reclaim_step: int = 32 * 1024 * 1024
+    #: --reclaim-rate: at most this much reclaim asked per second and container (quantity; up to 5 s
+    #: of it saved up)
+    reclaim_rate: int = 16 * 1024 * 1024
+    #: --reclaim-psi-some: reclaim only while the container's memory.pressure 'some' avg10 is below
+    #: this percentage; above it right after a reclaim, back off
+    reclaim_psi_some: float = 10.0
+    #: --reclaim-refault-tolerance: back off when the container's refaults (memory.stat
+    #: workingset_refault_*) grow by more than this between two samples: the cache being reclaimed
+    #: is its working set (quantity)
+    reclaim_refault_tolerance: int = 1 * 1024 * 1024
+    #: --reclaim-backoff: seconds without reclaim for a container after pressure, refaults or an
+    #: EAGAIN that freed nothing
+    reclaim_backoff: float = 60.0
+    #: --reclaim-audit-interval: at most one 'reclaim' audit record per container per this many
+    #: seconds (sums of the writes)
+    reclaim_audit_interval: float = 60.0
+    # -- fields generated from OPTIONS by scripts/gen-config: end
+
+    #: where each value came from: "flag", "file" or "default" (a Config built in code: "default")
+    origin: Mapping[str, str] = field(default_factory=_all_default, compare=False, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The values by field name, the policy by its name."""
+        values = {name: getattr(self, name) for name in FIELDS}
+        return {k: (v.value if isinstance(v, Policy) else v) for k, v in values.items()}
+
+
+#: the option fields in the table's order (all but origin)
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Config) if f.name != "origin")
