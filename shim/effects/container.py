@@ -29,12 +29,7 @@ class ContainerCgroups(CgroupTree):
 
     def is_dir(self, rel: str) -> bool:
         """False when missing; PathRefused for a symlink (or a file) on the way."""
-        try:
-            fd = self._open_dir(self.check(rel))
-        except OSError:
-            return False
-        os.close(fd)
-        return True
+        return self._has_dir(rel, (OSError,))
 
     def read_files(self, rel: str, files: Iterable[str] = READ_FILES) -> dict[str, str | None]:
         """file -> content (None: missing or unreadable). FileNotFoundError when the cgroup is gone."""

@@ -132,8 +132,8 @@ class Monitor(Worker):
         self.reclaim = reclaim
         self.reclaim_audit_interval = reclaim_audit_interval
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
-        self.reclaimer = (ReclaimRunner(reclaim, self.fs, emit, self._error, page_size=self.page_size,
-                                        audit_interval=reclaim_audit_interval) if reclaim is not None else None)
+        self.reclaimer = (ReclaimRunner(reclaim, self.fs, emit, self._error, self.page_size, reclaim_audit_interval)
+                          if reclaim is not None else None)
 
     @property
     def reclaim_totals(self) -> dict[str, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 from shim.decision import reclaim as rc
@@ -28,25 +29,25 @@ def _new_acc(now: float) -> dict:
     return {"since": now, **dict.fromkeys(TOTALS, 0)}
 
 
+@dataclass(eq=False)
 class ReclaimRunner:
-    """The reclaim state of every container the monitor samples, and its writes."""
+    """The reclaim state of every container the monitor samples, and its writes (through
+    ``fs``; records to ``emit``, throttled errors to ``error(key, message)``)."""
 
-    def __init__(self, cfg: rc.ReclaimConfig, fs: ContainerCgroups, emit: Callable[[dict], None],
-                 error: Callable[[str, str], object], *, page_size: int, audit_interval: float = 60.0):
-        self.cfg = cfg
-        self.fs = fs
-        self._emit = emit
-        self._error = error
-        self.page_size = page_size
-        self.audit_interval = audit_interval
-        self._hist: dict[str, collections.deque[rc.Sample]] = {}
-        self._states: dict[str, rc.ReclaimState] = {}
-        self._acc: dict[str, dict] = {}  # container id -> sums since its last record
-        self._emitted: dict[str, float] = {}  # container id -> when its last record was emitted
-        self._pending: dict[str, int] = {}  # container id -> memory.events high at its last write
-        self._freed: dict[str, int] = {}  # container id -> bytes freed so far
-        self.unsupported: str | None = None
-        self.totals = dict.fromkeys(TOTALS, 0)
+    cfg: rc.ReclaimConfig
+    fs: ContainerCgroups
+    _emit: Callable[[dict], None]
+    _error: Callable[[str, str], object]
+    page_size: int
+    audit_interval: float = 60.0
+    _hist: dict[str, collections.deque[rc.Sample]] = field(default_factory=dict)
+    _states: dict[str, rc.ReclaimState] = field(default_factory=dict)
+    _acc: dict[str, dict] = field(default_factory=dict)  # container id -> sums since its last record
+    _emitted: dict[str, float] = field(default_factory=dict)  # container id -> when its last record was emitted
+    _pending: dict[str, int] = field(default_factory=dict)  # container id -> memory.events high at its last write
+    _freed: dict[str, int] = field(default_factory=dict)  # container id -> bytes freed so far
+    unsupported: str | None = None  # why reclaim is off for this shim (no memory.reclaim)
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0))
 
     def run(self, ref: ContainerRef, rel: str, r: Reading, stat_text: str | None, now: float) -> None:
         """One container's round: decide on its samples, write, audit when due."""
