@@ -24,6 +24,7 @@ seconds re-lists the runtime and repairs drift.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -200,7 +201,7 @@ class _Resync:
 class ReconcilerObserver:
     """The HookChain observer: finished() only enqueues (never parses, never blocks)."""
 
-    def __init__(self, q):
+    def __init__(self, q: queue.SimpleQueue):
         self._q = q
         self._down = False
 
