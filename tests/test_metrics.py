@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from shim.decision.guard import GuardAction, GuardConfig
 from shim.evidence.audit import AuditLog
 from shim.evidence.metrics import Metrics, method_label
-from shim.guard.monitor import ContainerRef, Monitor, parse_pressure
+from shim.guard.monitor import ContainerRef, Monitor
+from shim.guard.sampling import parse_pressure
 from shim.node.facts import KubeletFacts
 from shim.transport.hooks import FinishedCall
 

@@ -13,9 +13,10 @@ import pytest
 
 from shim.decision.reclaim import ReclaimConfig
 from shim.effects.cgroupfs import PathRefused
+from shim.effects.container import READ_FILES, ContainerCgroups
 from shim.evidence.audit import AuditLog
 from shim.evidence.metrics import Metrics
-from shim.guard.monitor import READ_FILES, ContainerCgroups, Monitor
+from shim.guard.monitor import Monitor
 from shim.node.facts import KubeletFacts
 from tests.test_metrics import CID, CID2, UID, Clock, fake_root, pressure_text, ref, samples, value, write_cgroup
 

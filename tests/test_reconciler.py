@@ -449,6 +449,24 @@ def test_unparseable_calls_do_not_stop_the_reconciler(tmp_path):
         r.stop()
 
 
+def test_the_reconciler_publishes_an_immutable_view_of_the_node_after_each_change(make_stack):
+    """Other threads (the monitor) read ``reconciler.view``: replaced, never mutated."""
+    s = make_stack()
+    rec = s.svc.reconciler
+    assert rec.view.containers == ()
+    sid = s.kubelet.run_pod("v", B_UID, "burstable")
+    cid = s.kubelet.create(sid, "main", "burstable", request=32 * MI)
+    s.sync()
+    first = rec.view
+    (c,) = first.containers
+    assert (c.id, c.namespace, c.pod, c.container, c.uid, c.qos) == (cid, "default", "v", "main", B_UID, "Burstable")
+    assert c.cgroup_parent.endswith(f"pod{B_UID}")
+    s.kubelet.remove_container(cid)
+    s.sync()
+    assert rec.view is not first and rec.view.containers == ()
+    assert [x.id for x in first.containers] == [cid]  # what a reader took stays as it was
+
+
 def test_the_request_annotation_is_visible_to_recovery(make_stack):
     """The memqos.io/request annotation the shim leaves on each container is what recovery reads."""
     s = make_stack()

@@ -138,6 +138,16 @@ class CgroupTree:
         p = os.path.join(self.root, *split_path(rel))
         return os.path.join(p, file) if file else p
 
+    def _has_dir(self, rel: str, absent: tuple[type[Exception], ...]) -> bool:
+        """Whether the cgroup rel can be opened (walked like any access); False for the
+        ``absent`` errors, the others pass through."""
+        try:
+            fd = self._open_dir(self.check(rel))
+        except absent:
+            return False
+        os.close(fd)
+        return True
+
     def _open_dir(self, parts: Sequence[str]) -> int:
         """fd of root/parts, walking without following symlinks. FileNotFoundError if missing."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -266,20 +276,10 @@ class CgroupFS(CgroupTree):
     def validate(self, rel: str) -> bool:
         """PathRefused unless rel is inside the allowed subtrees with no symlink on the way;
         then whether the cgroup exists."""
-        try:
-            fd = self._open_dir(self.check(rel))
-        except FileNotFoundError:
-            return False
-        os.close(fd)
-        return True
+        return self._has_dir(rel, (FileNotFoundError,))
 
     def exists(self, rel: str) -> bool:
-        try:
-            fd = self._open_dir(self.check(rel))
-        except (FileNotFoundError, PathRefused):
-            return False
-        os.close(fd)
-        return True
+        return self._has_dir(rel, (FileNotFoundError, PathRefused))
 
     def _file_fd(self, dfd: int, file: str, flags: int) -> int:
         if file not in MANAGED_FILES:

@@ -10,24 +10,24 @@ import json
 import logging
 import queue
 import sys
-import threading
 import time
 from typing import Any, Callable, TextIO
 
+from shim.worker import Worker
+
 log = logging.getLogger(__name__)
 
-_STOP = object()
 
+class AuditLog(Worker):
+    """The audit log and its writer thread (``audit-writer``)."""
 
-class AuditLog:
     def __init__(self, target: str | TextIO | None, *, max_pending: int = 10000):
         """target: a file path (appended), "-" for stdout, an open text stream, or None (discard)."""
+        super().__init__("audit-writer", max_pending=max_pending, logger=log)
         self._target = target
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.dropped = 0
         self.written = 0
         self._listeners: list[Callable[[dict], None]] = []
-        self._thread: threading.Thread | None = None
         self._stream: TextIO | None = None
         self._owns_stream = False
 
@@ -45,8 +45,7 @@ class AuditLog:
             self._owns_stream = True
         else:
             self._stream = self._target
-        self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
-        self._thread.start()
+        super().start()
         return self
 
     def emit(self, record: dict[str, Any]) -> None:
@@ -60,35 +59,18 @@ class AuditLog:
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until every record emitted so far is written (tests, shutdown)."""
-        done = threading.Event()
-        try:
-            self._queue.put(done, timeout=timeout)
-        except queue.Full:
-            return
-        done.wait(timeout)
+        self.sync(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._thread is None:
-            return
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
-        self._thread.join(timeout)
-        self._thread = None
-        if self._owns_stream and self._stream is not None:
+        if self.stop(timeout) and self._owns_stream and self._stream is not None:
             self._stream.close()
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            if isinstance(item, threading.Event):
-                if self._stream is not None:
-                    self._stream.flush()
-                item.set()
-                continue
+    def on_sync(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+
+    def handle(self, items: list) -> None:
+        for item in items:
             try:
                 line = json.dumps(item, sort_keys=False, default=str)
                 if self._stream is not None:

@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shim.guard.monitor import EVENTS
+from shim.guard.sampling import EVENTS
 from shim.transport.hooks import FinishedCall
 from shim.cri.methods import CRI_METHODS_BY_PATH
 

@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable
 
 from shim.evidence.trace import TraceCall, utc_now
+from shim.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ ALL_METHODS = "."
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_KEEP = 3
 
-_STOP = object()
 
 
 class MethodFilter:
@@ -89,8 +89,9 @@ class MethodFilter:
         return f"methods matching {self.pattern!r}"
 
 
-class Recorder:
-    """HookChain observer that writes finished calls to a rotating cri-trace file."""
+class Recorder(Worker):
+    """HookChain observer that writes finished calls to a rotating cri-trace file (writer
+    thread ``trace-recorder``)."""
 
     def __init__(
         self,
@@ -107,17 +108,16 @@ class Recorder:
             raise ValueError(f"max_bytes must be positive, not {max_bytes}")
         if keep < 0:
             raise ValueError(f"keep must be >= 0, not {keep}")
+        super().__init__("trace-recorder", max_pending=max_pending, logger=log, label="recorder")
         self.path = path
         self.header = dict(header)
         self.max_bytes = max_bytes
         self.keep = keep
         self.filter = MethodFilter(methods)
         self.max_pending_bytes = max_pending_bytes
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._seq = itertools.count(1)
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._file = None
         self._size = 0
         self._calls_in_file = 0
@@ -138,8 +138,7 @@ class Recorder:
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             self._rotate_files()
         self._open()
-        self._thread = threading.Thread(target=self._run, name="trace-recorder", daemon=True)
-        self._thread.start()
+        super().start()
         log.info("recording %s to %s (rotate at %d bytes, keep %d)",
                  self.filter.describe(), self.path, self.max_bytes, self.keep)
         return self
@@ -150,24 +149,11 @@ class Recorder:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every call queued so far is written. False on timeout."""
-        if self._thread is None:
-            return True
-        done = threading.Event()
-        try:
-            self._queue.put(done, timeout=timeout)
-        except queue.Full:
-            return False
-        return done.wait(timeout)
+        return not self.running or self.sync(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._thread is None:
+        if not self.stop(timeout):
             return
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
-        self._thread.join(timeout)
-        self._thread = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -202,15 +188,8 @@ class Recorder:
             log.warning("recorder writer behind: %d calls dropped", self.dropped)
 
     # -- writer thread -------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            seq, size, call = item
+    def handle(self, items: list) -> None:
+        for seq, size, call in items:
             with self._lock:
                 self._pending_bytes -= size
             try:

@@ -16,18 +16,20 @@ too). Their cgroup directory is built, never taken as is, from request data:
 Every path is walked one component at a time with O_NOFOLLOW below the cgroup root and must lie
 in the kubepods subtree: a symlink, ``..`` or anything outside is refused (and audited once).
 The guard's only write is ``memory.high`` of such a container directory, compare-and-write: the
-file must still hold what the decision saw.
+file must still hold what the decision saw (shim.effects.container makes every read and write).
 
 Each guard action is an audit record (``guard-relax``, ``guard-restore``, ``guard-report``,
 ``guard-clear``, ``guard-released``, ``guard-error``); the metrics count them from the audit
 stream.
 
 Proactive reclaim (``--reclaim true``; off by default): the monitor also reads memory.stat and
-runs shim.decision.reclaim on each container's samples; a RECLAIM verdict is a write of a byte
-count to the container's memory.reclaim (the same validated walk). Writes are audited in sums,
-one ``reclaim`` record per container at most every ``reclaim_audit_interval`` seconds (the
-first write of a quiet container at once). With reclaim off nothing of this runs: the same
-files are read as before, nothing more is written or audited.
+runs shim.guard.reclaim on each container's samples (writes to memory.reclaim, audited in
+sums). With reclaim off nothing of this runs: the same files are read as before, nothing more
+is written or audited.
+
+The monitor is a shim.worker.Worker (thread ``memqos-monitor``): a round every ``interval``
+seconds. It reads the reconciler's published NodeView (one attribute) and measures the
+reconciler's lag with the reconciler's ``probe()``.
 """
 from __future__ import annotations
 
@@ -35,9 +37,8 @@ import collections
 import logging
 import os
 import re
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable
 
 from shim.decision import reclaim as rc
@@ -52,139 +53,21 @@ from shim.decision.guard import (
     decide,
     history_needed,
 )
-from shim.effects.cgroupfs import CgroupTree, PathRefused, ReclaimUnsupported, split_path
+from shim.effects.cgroupfs import PathRefused
+from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups
 from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
+from shim.guard.reclaim import TOTALS, ReclaimRunner
+from shim.guard.sampling import ContainerRef, MonitorSnapshot, Reading, reading_from
 from shim.node.facts import KubeletFacts, is_cgroup_v2
+from shim.worker import Probe, Worker
 
 log = logging.getLogger(__name__)
 
-READ_FILES = ("memory.current", "memory.min", "memory.low", "memory.high", "memory.max",
-              "memory.events", "memory.pressure")
-RECLAIM_READ_FILES = READ_FILES + ("memory.stat",)  # what the monitor reads with reclaim on
-WRITE_FILES = frozenset({"memory.high"})
-EVENTS = ("low", "high", "max", "oom", "oom_kill")
 _ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
-_MAX_READ = 4096
-_MAX_READ_STAT = 16384  # memory.stat: ~50 lines on 6.x kernels
-
-
-# -- parsing ---------------------------------------------------------------------------
-def parse_memory_value(text: str | None) -> int | None | str:
-    """'123' -> 123, 'max' -> None; anything else (or no file) -> '?'."""
-    if text is None:
-        return "?"
-    t = text.strip()
-    if t == "max":
-        return None
-    if t.isascii() and t.isdigit():
-        return int(t)
-    return "?"
-
-
-def parse_flat_keyed(text: str | None) -> dict[str, int]:
-    """memory.events: 'low 0\\nhigh 12\\n...' -> {'low': 0, 'high': 12, ...}."""
-    out: dict[str, int] = {}
-    for line in (text or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            out[parts[0]] = int(parts[1])
-    return out
-
-
-def parse_pressure(text: str | None) -> dict[str, dict[str, float]]:
-    """memory.pressure: 'some avg10=1.00 avg60=0.50 avg300=0.10 total=1234\\nfull ...' ->
-    {'some': {'avg10': 1.0, ..., 'total': 1234.0}, 'full': {...}} (total in microseconds)."""
-    out: dict[str, dict[str, float]] = {}
-    for line in (text or "").splitlines():
-        parts = line.split()
-        if not parts or parts[0] not in ("some", "full"):
-            continue
-        values = {}
-        for kv in parts[1:]:
-            k, _, v = kv.partition("=")
-            try:
-                values[k] = float(v)
-            except ValueError:
-                continue
-        out[parts[0]] = values
-    return out
-
-
-# -- validated cgroup access -----------------------------------------------------------
-class ContainerCgroups(CgroupTree):
-    """Reads of memory.* files and writes of memory.high, below ``root``, only strictly inside
-    the ``allowed`` subtrees (relative paths), never through a symlink (CgroupTree)."""
-
-    strictly_below = True
-
-    def is_dir(self, rel: str) -> bool:
-        """False when missing; PathRefused for a symlink (or a file) on the way."""
-        try:
-            fd = self._open_dir(self.check(rel))
-        except OSError:
-            return False
-        os.close(fd)
-        return True
-
-    def read_files(self, rel: str, files: Iterable[str] = READ_FILES) -> dict[str, str | None]:
-        """file -> content (None: missing or unreadable). FileNotFoundError when the cgroup is gone."""
-        dfd = self._open_dir(self.check(rel))
-        out: dict[str, str | None] = {}
-        try:
-            for name in files:
-                if name not in RECLAIM_READ_FILES:
-                    raise PathRefused(f"{name!r} is not a file the monitor reads")
-                try:
-                    fd = self._open_file(dfd, name, os.O_RDONLY)
-                except (OSError, PathRefused):
-                    out[name] = None
-                    continue
-                try:
-                    out[name] = os.read(fd, _MAX_READ_STAT if name == "memory.stat" else _MAX_READ).decode(
-                        "ascii", "replace")
-                except OSError:  # e.g. EOPNOTSUPP: memory.pressure with PSI disabled
-                    out[name] = None
-                finally:
-                    os.close(fd)
-        finally:
-            os.close(dfd)
-        return out
-
-    def write(self, rel: str, name: str, value: str, expect: str | None = None) -> str:
-        """Write value to rel/name. With ``expect``, only when the file holds it (stripped);
-        ValueError otherwise. Returns what the file held."""
-        if name not in WRITE_FILES:
-            raise PathRefused(f"{name!r} is not a file the monitor writes")
-        if value != "max" and not (value.isascii() and value.isdigit()):
-            raise ValueError(f"bad memory value {value!r}")
-        def decide(old: str) -> str:
-            if expect is not None and old != expect:
-                raise ValueError(f"{name} holds {old!r}, not {expect!r}: changed meanwhile")
-            return value
-
-        dfd = self._open_dir(self.check(rel))
-        try:
-            return self._read_then_write(dfd, name, decide)
-        finally:
-            os.close(dfd)
 
 
 # -- containers ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ContainerRef:
-    id: str
-    namespace: str
-    pod: str
-    container: str
-    uid: str
-    cgroup_parent: str
-    qos: str = ""
-
-    def label(self) -> str:
-        return f"{self.namespace}/{self.pod}/{self.container}"
-
-
 def refs_from_container_qos(container_qos) -> list[ContainerRef]:
     """ContainerMemoryQoS.containers: the containers rewritten since this shim started."""
     out = []
@@ -195,65 +78,15 @@ def refs_from_container_qos(container_qos) -> list[ContainerRef]:
 
 
 def refs_from_reconciler(reconciler) -> list[ContainerRef]:
-    """The reconciler's node state (another thread mutates it: copy, retry on a race)."""
-    for _ in range(3):
-        try:
-            out = []
-            for pod in list(reconciler.state.pods.values()):
-                parent = pod.cgroup_parent
-                qos = pod.qos
-                for c in list(pod.containers.values()):
-                    out.append(ContainerRef(c.id, pod.namespace, pod.name, c.name, pod.uid, parent,
-                                            qos.value if qos is not None else ""))
-            return out
-        except RuntimeError:  # dictionary changed size during iteration
-            continue
-    return []
+    """The containers of the reconciler's node state, from the view it last published (one
+    read of an immutable NodeView; the reconciler's own state is never touched)."""
+    return list(reconciler.view.containers)
 
 
-@dataclass
-class Reading:
-    """One container's cgroup files as last sampled (what /metrics shows)."""
+class Monitor(Worker):
+    """The side thread (``memqos-monitor``) that samples every managed container and runs the
+    memory.high guard (and, with reclaim on, the reclaim runner) on the samples."""
 
-    ref: ContainerRef
-    path: str  # absolute cgroup directory
-    t: float
-    current: int | None
-    min: int | None
-    low: int | None
-    high: int | None  # None: "max"
-    max: int | None  # None: "max"
-    events: dict[str, int] = field(default_factory=dict)
-    pressure: dict[str, dict[str, float]] = field(default_factory=dict)
-    relaxed: bool = False
-    reclaimed: int | None = None  # bytes memory.reclaim freed so far (None: reclaim off)
-
-
-@dataclass
-class MonitorSnapshot:
-    readings: list[Reading] = field(default_factory=list)
-    taken_at: float = 0.0  # time.time()
-    duration: float = 0.0  # seconds the sampling took
-    containers: int = 0  # containers known (some may have no cgroup yet)
-    read_errors: int = 0  # cumulative
-    reconciler_lag: float | None = None  # seconds
-    idle_reason: str = ""
-
-
-class _Probe(threading.Event):
-    """Put on the reconciler's queue: set() when everything queued before it was processed."""
-
-    def __init__(self, put_at: float):
-        super().__init__()
-        self.put_at = put_at
-        self.done_at: float | None = None
-
-    def set(self) -> None:
-        self.done_at = time.monotonic()
-        super().set()
-
-
-class Monitor:
     def __init__(
         self,
         *,
@@ -270,6 +103,7 @@ class Monitor:
         reclaim_audit_interval: float = 60.0,
         page_size: int | None = None,
     ):
+        super().__init__("memqos-monitor", logger=log, label="monitor")
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
         self.guard = guard
@@ -285,14 +119,11 @@ class Monitor:
         self._states: dict[str, GuardState] = {}
         self._last_ref: dict[str, ContainerRef] = {}  # containers with a guard episode open
         self._refused: set[str] = set()
-        self._errors_at: dict[str, float] = {}
         self._read_errors = 0
-        self._probe: _Probe | None = None
+        self._probe: Probe | None = None
         self._lag: float | None = None
         self._snapshot = MonitorSnapshot()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._idle: str | None = ""
+        self._next_round = 0.0  # time.monotonic() of the thread's next round
         # open guard episodes survive a restart through this file (None: in memory only)
         self.episodes = episodes
         self._resumed: dict[str, ContainerRef] | None = None  # loaded at the first round
@@ -301,41 +132,33 @@ class Monitor:
         self.reclaim = reclaim
         self.reclaim_audit_interval = reclaim_audit_interval
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
-        self._rc_hist: dict[str, collections.deque[rc.Sample]] = {}
-        self._rc_states: dict[str, rc.ReclaimState] = {}
-        self._rc_acc: dict[str, dict] = {}  # container id -> sums since its last record
-        self._rc_emitted: dict[str, float] = {}  # container id -> when its last record was emitted
-        self._rc_pending: dict[str, int] = {}  # container id -> memory.events high at its last write
-        self._rc_freed: dict[str, int] = {}  # container id -> bytes freed so far
-        self._rc_unsupported: str | None = None
-        self.reclaim_totals = {"writes": 0, "eagain": 0, "errors": 0, "asked_bytes": 0, "freed_bytes": 0,
-                               "backoffs": 0, "stalls_avoided": 0, "high_events_while_active": 0}
+        self.reclaimer = (ReclaimRunner(reclaim, self.fs, emit, self._error, self.page_size, reclaim_audit_interval)
+                          if reclaim is not None else None)
 
-    # -- lifecycle
-    def start(self) -> "Monitor":
-        self._thread = threading.Thread(target=self._run, name="memqos-monitor", daemon=True)
-        self._thread.start()
-        return self
+    @property
+    def reclaim_totals(self) -> dict[str, int]:
+        """Proactive reclaim's running totals (all 0 with reclaim off)."""
+        return self.reclaimer.totals if self.reclaimer is not None else dict.fromkeys(TOTALS, 0)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+    # -- the thread
+    def wait_time(self) -> float:
+        return max(0.0, self._next_round - time.monotonic())
+
+    def handle(self, items: list) -> None:
+        """A round when one is due (nothing is queued to the monitor but stop and sync marks)."""
+        if self.stopping or time.monotonic() < self._next_round:
+            return
+        try:
+            self.tick()
+        except Exception:  # the thread must survive anything
+            log.exception("monitor: sampling failed")
+        self._next_round = time.monotonic() + self.interval
 
     def snapshot(self) -> MonitorSnapshot:
         return self._snapshot
 
     def guard_states(self) -> dict[str, GuardState]:
         return dict(self._states)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # the thread must survive anything
-                log.exception("monitor: sampling failed")
-            self._stop.wait(self.interval)
 
     # -- one round
     def _layout(self) -> str | None:
@@ -355,14 +178,11 @@ class Monitor:
             self._paths.clear()
         return None
 
-    def _say_idle(self, reason: str | None) -> None:
-        if reason == self._idle:
-            return
-        self._idle = reason
-        if reason:
-            log.info("monitor idle: %s", reason)
-        else:
-            log.info("monitor: sampling containers every %g s under %s", self.interval, self.cgroup_root)
+    def on_idle(self, reason: str) -> None:
+        log.info("monitor idle: %s", reason)
+
+    def on_active(self) -> None:
+        log.info("monitor: sampling containers every %g s under %s", self.interval, self.cgroup_root)
 
     def refs(self) -> list[ContainerRef]:
         seen: dict[str, ContainerRef] = {}
@@ -404,7 +224,7 @@ class Monitor:
         now = self._clock() if now is None else now
         self._probe_reconciler()
         idle = self._layout()
-        self._say_idle(idle)
+        self.say_idle(idle or None)
         refs = self.refs() if idle is None else []
         if self._resumed is None:
             self._resume(now)
@@ -442,15 +262,15 @@ class Monitor:
             alive.add(ref.id)
             if ref.id in resumed:
                 self._resumed_alive(ref, rel)
-            reading = self._reading(ref, rel, files)
+            reading = reading_from(ref, self.fs.abspath(rel), self._clock(), files)
             readings.append(reading)
             decision = self._guard(ref, rel, reading, now)
             if decision is not None:
                 acted.append((ref, decision))
             reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
-            if self.reclaim is not None:
+            if self.reclaimer is not None:
                 try:
-                    self._reclaim(ref, rel, reading, files.get("memory.stat"), now)
+                    self.reclaimer.run(ref, rel, reading, files.get("memory.stat"), now)
                 except Exception:  # optional: must never take the guard's round down
                     log.exception("reclaim: failed for %s", ref.label())
         for cid in resumed:
@@ -461,8 +281,8 @@ class Monitor:
             for cid in [c for c in set(self._history) | set(self._states) if c not in alive]:
                 self._history.pop(cid, None)
                 self._states.pop(cid, None)
-            if self.reclaim is not None:
-                self._reclaim_forget(alive, now)
+            if self.reclaimer is not None:
+                self.reclaimer.forget(alive, now)
             self._last_ref = {r.id: r for r in refs
                               if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
             self._save_episodes()
@@ -473,37 +293,6 @@ class Monitor:
             containers=len(refs), read_errors=self._read_errors, reconciler_lag=self._lag,
             idle_reason=idle or "")
         return acted
-
-    def _reading(self, ref: ContainerRef, rel: str, files: dict[str, str | None]) -> Reading:
-        def num(name: str) -> int | None:
-            v = parse_memory_value(files.get(name))
-            return None if v == "?" else v
-
-        def bytes_or_none(name: str) -> int | None:
-            v = parse_memory_value(files.get(name))
-            return v if isinstance(v, int) else None
-
-        def limit(name: str) -> int | None:
-            v = parse_memory_value(files.get(name))
-            if v == "?":
-                raise ValueError(name)
-            return v
-
-        try:
-            high = limit("memory.high")
-        except ValueError:
-            high = None
-        try:
-            mx = limit("memory.max")
-        except ValueError:
-            mx = None
-        return Reading(
-            ref=ref, path=self.fs.abspath(rel), t=self._clock(),
-            current=bytes_or_none("memory.current"), min=num("memory.min"), low=num("memory.low"),
-            high=high, max=mx,
-            events=parse_flat_keyed(files.get("memory.events")),
-            pressure=parse_pressure(files.get("memory.pressure")),
-        )
 
     # -- episodes across restarts
     def _resume(self, now: float) -> None:
@@ -604,127 +393,13 @@ class Monitor:
         self._emit(record)
         return d
 
-    # -- proactive reclaim
-    def _reclaim(self, ref: ContainerRef, rel: str, r: Reading, stat_text: str | None, now: float) -> None:
-        cfg = self.reclaim
-        cid = ref.id
-        stat = parse_flat_keyed(stat_text) if stat_text is not None else None
-        if stat is not None:
-            for k in ("workingset_refault_file", "workingset_refault_anon"):
-                if k in stat:  # counted in pages
-                    stat[k] *= self.page_size
-        high_events = r.events.get("high")
-        # "stalls avoided": the interval after a write in which memory.events high did not grow
-        if cid in self._rc_pending and high_events is not None:
-            grew = high_events - self._rc_pending.pop(cid)
-            acc = self._rc_acc.setdefault(cid, _new_acc(now))
-            if grew <= 0:
-                self.reclaim_totals["stalls_avoided"] += 1
-                acc["stalls_avoided"] += 1
-            else:
-                self.reclaim_totals["high_events_while_active"] += grew
-                acc["high_events_while_active"] += grew
-        r.reclaimed = self._rc_freed.get(cid, 0)
-        sample = rc.Sample(t=now, current=r.current, high=r.high, min=r.min, low=r.low,
-                           some_avg10=r.pressure.get("some", {}).get("avg10"),
-                           full_avg10=r.pressure.get("full", {}).get("avg10"), stat=stat, qos=ref.qos)
-        hist = self._rc_hist.get(cid)
-        if hist is None:
-            hist = self._rc_hist[cid] = collections.deque(maxlen=rc.history_needed(cfg))
-        hist.append(sample)
-        if self._rc_unsupported is None:
-            state = self._rc_states.get(cid, rc.ReclaimState())
-            d = rc.decide(list(hist), cfg, state)
-            self._rc_states[cid] = d.state
-            if d.backoff:
-                self.reclaim_totals["backoffs"] += 1
-                acc = self._rc_acc.setdefault(cid, _new_acc(now))
-                acc["backoffs"] += 1
-                acc["backoff_reason"] = d.reason
-                log.info("reclaim: %s (%s): %s", ref.label(), cid[:12], d.reason)
-            if d.verdict is rc.Verdict.RECLAIM:
-                self._reclaim_write(ref, rel, r, sample, d, now)
-        acc = self._rc_acc.get(cid)
-        if acc is not None and (acc["writes"] or acc["backoffs"] or acc["errors"]):
-            last = self._rc_emitted.get(cid)
-            if last is None or now - last >= self.reclaim_audit_interval:
-                self._rc_emit(ref, rel, r, sample, now)
-
-    def _reclaim_write(self, ref: ContainerRef, rel: str, r: Reading, sample, d, now: float) -> None:
-        cid = ref.id
-        acc = self._rc_acc.setdefault(cid, _new_acc(now))
-        try:
-            out = self.fs.reclaim(rel, d.bytes)
-        except FileNotFoundError:  # the cgroup went away meanwhile
-            return
-        except ReclaimUnsupported as e:
-            self._rc_unsupported = str(e)
-            log.warning("reclaim: %s; proactive reclaim is off for this shim", e)
-            self._emit({"event": "reclaim-error", "container_id": cid, "pod": f"{ref.namespace}/{ref.pod}",
-                        "container": ref.container, "path": self.fs.abspath(rel), "file": "memory.reclaim",
-                        "error": str(e)[:500], "reclaim_disabled": True})
-            return
-        except (OSError, ValueError, PathRefused) as e:
-            self.reclaim_totals["errors"] += 1
-            acc["errors"] += 1
-            acc["error"] = f"{e.__class__.__name__}: {e}"[:500]
-            self._error(f"reclaim/{cid}", f"writing {d.bytes} to {self.fs.abspath(rel, 'memory.reclaim')}: {e}")
-            return
-        freed = out.freed
-        self._rc_states[cid] = rc.after_write(self._rc_states[cid], now, d.bytes, freed, out.eagain, self.reclaim)
-        tot = self.reclaim_totals
-        tot["writes"] += 1
-        tot["eagain"] += out.eagain
-        tot["asked_bytes"] += d.bytes
-        tot["freed_bytes"] += freed
-        self._rc_freed[cid] = self._rc_freed.get(cid, 0) + freed
-        r.reclaimed = self._rc_freed[cid]
-        acc["writes"] += 1
-        acc["eagain"] += out.eagain
-        acc["asked_bytes"] += d.bytes
-        acc["freed_bytes"] += freed
-        acc["reason"] = d.reason
-        if r.events.get("high") is not None:
-            self._rc_pending[cid] = r.events["high"]
-        if out.after is not None:
-            r.current = out.after
-        log.debug("reclaim: %s asked %d, freed %d%s: %s", ref.label(), d.bytes, freed,
-                  " (EAGAIN)" if out.eagain else "", d.reason)
-
-    def _rc_emit(self, ref: ContainerRef | None, rel: str | None, r: Reading | None, sample, now: float,
-                 cid: str | None = None) -> None:
-        cid = cid or ref.id
-        acc = self._rc_acc.pop(cid, None)
-        if not acc:
-            return
-        self._rc_emitted[cid] = now
-        record = {"event": "reclaim", "container_id": cid, "file": "memory.reclaim",
-                  "period_s": round(now - acc["since"], 3), **{k: v for k, v in acc.items() if k != "since"}}
-        if ref is not None:
-            record.update(pod=f"{ref.namespace}/{ref.pod}", pod_uid=ref.uid, container=ref.container,
-                          path=self.fs.abspath(rel))
-        if r is not None:
-            record.update(memory_current=r.current, memory_high="max" if r.high is None else r.high,
-                          some_avg10=sample.some_avg10, full_avg10=sample.full_avg10,
-                          reclaimed_total_bytes=self._rc_freed.get(cid, 0))
-        self._emit(record)
-
-    def _reclaim_forget(self, alive: set[str], now: float) -> None:
-        for cid in [c for c in set(self._rc_hist) | set(self._rc_acc) | set(self._rc_emitted) if c not in alive]:
-            if self._rc_acc.get(cid):
-                self._rc_emit(None, None, None, None, now, cid=cid)
-            for d in (self._rc_hist, self._rc_states, self._rc_acc, self._rc_emitted, self._rc_pending,
-                      self._rc_freed):
-                d.pop(cid, None)
-
     # -- reconciler lag
     def _probe_reconciler(self) -> None:
         """Measure how long the reconciler takes to work through what is queued: a probe put
         on its queue is set once everything queued before it is processed. While a probe is
         outstanding, its age is a lower bound of the lag."""
         rec = self.reconciler
-        q = getattr(rec, "_q", None) if rec is not None else None
-        if q is None:
+        if rec is None or not hasattr(rec, "probe"):
             return
         p = self._probe
         if p is not None and not p.is_set():
@@ -732,8 +407,7 @@ class Monitor:
             return
         if p is not None and p.done_at is not None:
             self._lag = p.done_at - p.put_at
-        self._probe = _Probe(time.monotonic())
-        q.put(self._probe)
+        self._probe = rec.probe()
 
     # -- reporting
     def _refuse(self, ref: ContainerRef, reason: str) -> None:
@@ -746,16 +420,6 @@ class Monitor:
         self._emit({"event": "cgroup-refused", "by": "monitor", "container_id": ref.id[:128],
                     "pod": f"{ref.namespace}/{ref.pod}", "container": ref.container, "reason": reason[:500]})
 
-    def _error(self, key: str, message: str, every: float = 60.0) -> None:
-        t = time.monotonic()
-        if t - self._errors_at.get(key, -1e9) < every:
-            return
-        if len(self._errors_at) > 10000:
-            self._errors_at.clear()
-        self._errors_at[key] = t
-        log.warning("monitor: %s", message)
-
-
 def guard_config(cfg) -> GuardConfig:
     interval = cfg.monitor_interval or 5.0
     return GuardConfig(
@@ -765,11 +429,6 @@ def guard_config(cfg) -> GuardConfig:
         cooldown=cfg.guard_cooldown,
         max_gap=max(3 * interval, 15.0),
     )
-
-
-def _new_acc(now: float) -> dict:
-    return {"since": now, "writes": 0, "eagain": 0, "errors": 0, "asked_bytes": 0, "freed_bytes": 0,
-            "backoffs": 0, "stalls_avoided": 0, "high_events_while_active": 0}
 
 
 def reclaim_config(cfg) -> rc.ReclaimConfig | None:

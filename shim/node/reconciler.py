@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -35,8 +34,10 @@ from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
 from shim.node.state import OBSERVED_METHODS, NodeState
+from shim.node.view import NodeView
 from shim.decision.quantity import format_bytes
 from shim.transport.hooks import FinishedCall
+from shim.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +198,6 @@ class _Resync:
         self.fresh = fresh
 
 
-_STOP = object()
-_UNSET = object()
-
-
 class ReconcilerObserver:
     """The HookChain observer: finished() only enqueues (never parses, never blocks)."""
 
@@ -221,7 +218,12 @@ class ReconcilerObserver:
 
 
 # -- the reconciler --------------------------------------------------------------------
-class Reconciler:
+class Reconciler(Worker):
+    """The side thread (``memqos-reconciler``) that keeps pod/QoS/node protection right. After
+    each change it applies it publishes ``view`` (a NodeView) for other threads to read."""
+
+    batch = True
+
     def __init__(
         self,
         *,
@@ -236,6 +238,7 @@ class Reconciler:
         ownership=None,
         systemd_writes: str = "cgroupfs",
     ):
+        super().__init__("memqos-reconciler", logger=log, label="reconciler", report_error=self._report_error)
         self.cgroup_root = cgroup_root
         self.kubelet = kubelet
         self.policy = policy
@@ -253,50 +256,35 @@ class Reconciler:
         self._client_factory = client_factory
         self.client = None
         self.state = NodeState(capacity)
+        self.view = NodeView()  # replaced (never mutated) after each change applied
         # how writes are made (cgroupfs, or systemd's SetUnitProperties on systemd-driver nodes)
         self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes)
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.observer = ReconcilerObserver(self._q)
+        self.observer = ReconcilerObserver(self._queue)
         self.layout: CgroupLayout | None = None
         self.reserved: list[Reserved] = []
         self.recovered = False
         self.resyncs = 0  # completed resyncs (tests, metrics)
         self.known: dict[tuple[str, str], int] = {}  # what each file held after our last look
         self.written: dict[tuple[str, str], int] = {}  # non-zero values this process wrote -> level
-        self._idle: object = _UNSET
         self._refused: set[str] = set()
-        self._last_error: dict[str, float] = {}
-        self._thread: threading.Thread | None = None
+        self._next_at = 0.0  # the next periodic resync (time.monotonic())
 
     # -- lifecycle
-    def start(self) -> "Reconciler":
-        self._thread = threading.Thread(target=self._run, name="memqos-reconciler", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self._thread is None:
-            return
-        self._q.put(_STOP)
-        self._thread.join(timeout)
-        self._thread = None
+    def stop(self, timeout: float = 5.0) -> bool:
+        if not super().stop(timeout):
+            return False
         if self.client is not None:
             try:
                 self.client.close()
             except Exception:
                 pass
-
-    def sync(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued so far (observed calls, resync requests) is processed."""
-        done = threading.Event()
-        self._q.put(done)
-        return done.wait(timeout)
+        return True
 
     def request_resync(self, reason: str = "requested", fresh: bool = False) -> None:
-        self._q.put(_Resync(reason, fresh))
+        self._queue.put(_Resync(reason, fresh))
 
     # -- the thread
-    def _run(self) -> None:
+    def on_start(self) -> None:
         if self._client_factory is not None:
             try:
                 self.client = self._client_factory()
@@ -305,47 +293,42 @@ class Reconciler:
         if self.kubelet_scopes:
             log.info("left to the kubelet (it writes them itself): %s", ", ".join(sorted(self.kubelet_scopes)))
         self._guard(self._resync, "startup", True)
-        next_at = time.monotonic() + self._interval()
-        while True:
-            try:
-                first = self._q.get(timeout=max(0.0, next_at - time.monotonic()))
-            except queue.Empty:
-                first = None
-            items = [first] if first is not None else []
-            while True:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            barriers, dirty, resync, stop, refresh = [], False, None, False, []
-            for it in items:
-                if it is _STOP:
-                    stop = True
-                elif isinstance(it, threading.Event):
-                    barriers.append(it)
-                elif isinstance(it, _Resync):
-                    if resync is None or (it.fresh and not resync.fresh):
-                        resync = it
-                elif isinstance(it, FinishedCall):
-                    changed, uid = self._guard(self._apply, it) or (False, None)
-                    dirty |= changed
-                    if uid is not None and uid not in refresh:
-                        refresh.append(uid)
-            if stop:
-                for b in barriers:
-                    b.set()
-                return
-            if refresh and self.client is not None:
-                for uid in refresh:  # once per pod and batch, after the batch's calls
-                    dirty |= bool(self._guard(self._refresh_pod, uid))
-            if resync is not None or time.monotonic() >= next_at:
-                r = resync or _Resync("periodic", False)
-                self._guard(self._resync, r.reason, r.fresh or not self.recovered)
-                next_at = time.monotonic() + self._interval()
-            elif dirty:
-                self._guard(self._reconcile, "event", False)
-            for b in barriers:
-                b.set()
+        self._next_at = time.monotonic() + self._interval()
+        self._publish()
+
+    def wait_time(self) -> float:
+        return max(0.0, self._next_at - time.monotonic())
+
+    def handle(self, items: list) -> None:
+        """One batch: everything queued since the last (observed calls, resync requests)."""
+        dirty, resync, refresh = False, None, []
+        for it in items:
+            if isinstance(it, _Resync):
+                if resync is None or (it.fresh and not resync.fresh):
+                    resync = it
+            elif isinstance(it, FinishedCall):
+                changed, uid = self._guard(self._apply, it) or (False, None)
+                dirty |= changed
+                if uid is not None and uid not in refresh:
+                    refresh.append(uid)
+        if self.stopping:
+            return
+        if refresh and self.client is not None:
+            for uid in refresh:  # once per pod and batch, after the batch's calls
+                dirty |= bool(self._guard(self._refresh_pod, uid))
+        if resync is not None or time.monotonic() >= self._next_at:
+            r = resync or _Resync("periodic", False)
+            self._guard(self._resync, r.reason, r.fresh or not self.recovered)
+            self._next_at = time.monotonic() + self._interval()
+        elif dirty:
+            self._guard(self._reconcile, "event", False)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Replace ``view`` when the containers of the node state changed."""
+        view = NodeView.of(self.state)
+        if view != self.view:
+            self.view = view
 
     def _interval(self) -> float:
         return self.resync_interval if self.recovered else min(self.resync_interval, RETRY_INTERVAL)
@@ -358,12 +341,7 @@ class Reconciler:
             self._error(getattr(fn, "__name__", "reconciler"), f"{e.__class__.__name__}: {e}")
             return None
 
-    def _error(self, key: str, message: str, every: float = 60.0) -> None:
-        now = time.monotonic()
-        if now - self._last_error.get(key, -1e9) < every:
-            return
-        self._last_error[key] = now
-        log.warning("reconciler: %s", message)
+    def _report_error(self, key: str, message: str) -> None:
         self._emit({"event": "reconciler-error", "what": key, "error": message[:500]})
 
     # -- state
@@ -420,39 +398,37 @@ class Reconciler:
                         "source": "runtime" if self.client is not None else "observed calls"})
 
     # -- cgroups
-    def _say_idle(self, reason: str | None) -> None:
-        """Say once (log and audit) that the reconciler is idle and why, or active again."""
-        if reason == self._idle:
-            return
-        self._idle = reason
-        if reason is not None:
-            log.warning("pod/QoS/node memory protection is idle: %s", reason)
-            self._emit({"event": "reconciler-idle", "reason": reason})
-        else:
-            log.info("pod/QoS/node memory protection is active (%s driver)", self.layout.driver)
-            self._emit({"event": "reconciler-active", "driver": self.layout.driver,
-                        "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value,
-                        "writes": self.fs.via,
-                        **({"left_to_kubelet": sorted(self.kubelet_scopes)} if self.kubelet_scopes else {})})
+    def on_idle(self, reason: str) -> None:
+        """Said once (log and audit) when the reconciler goes idle, with why."""
+        log.warning("pod/QoS/node memory protection is idle: %s", reason)
+        self._emit({"event": "reconciler-idle", "reason": reason})
+
+    def on_active(self) -> None:
+        """Said once (log and audit) when the reconciler is active again."""
+        log.info("pod/QoS/node memory protection is active (%s driver)", self.layout.driver)
+        self._emit({"event": "reconciler-active", "driver": self.layout.driver,
+                    "kubepods": self.fs.abspath(self.layout.kubepods), "policy": self.policy.value,
+                    "writes": self.fs.via,
+                    **({"left_to_kubelet": sorted(self.kubelet_scopes)} if self.kubelet_scopes else {})})
 
     def _check_tree(self) -> bool:
         k = self.kubelet
         if not is_cgroup_v2(self.cgroup_root):
-            self._say_idle(f"{self.cgroup_root} is not a cgroup v2 hierarchy (no cgroup.controllers): "
+            self.say_idle(f"{self.cgroup_root} is not a cgroup v2 hierarchy (no cgroup.controllers): "
                            "nothing is written on cgroup v1")
             return False
         if not k.cgroups_per_qos:
-            self._say_idle("the kubelet runs with cgroupsPerQOS=false: there are no QoS cgroups to protect")
+            self.say_idle("the kubelet runs with cgroupsPerQOS=false: there are no QoS cgroups to protect")
             return False
         driver = k.cgroup_driver if k.source else detect_driver(self.cgroup_root, k.cgroup_root)
         if driver is None:
-            self._say_idle(f"no kubepods cgroup under {self.cgroup_root} (kubelet not started yet?)")
+            self.say_idle(f"no kubepods cgroup under {self.cgroup_root} (kubelet not started yet?)")
             return False
         if self.layout is None or self.layout.driver != driver:
             try:
                 self.layout = CgroupLayout(driver, k.cgroup_root)
             except (ValueError, PathRefused) as e:
-                self._say_idle(str(e))
+                self.say_idle(str(e))
                 return False
             self.reserved, refusals = reserved_cgroups(k, self.layout)
             for key, why in refusals:
@@ -460,10 +436,10 @@ class Reconciler:
             self.fs.set_allowed([self.layout.kubepods] + [r.path for r in self.reserved])
             self.fs.set_driver(driver, [r.path for r in self.reserved])
         if not self.fs.exists(self.layout.kubepods):
-            self._say_idle(f"the kubepods cgroup {self.fs.abspath(self.layout.kubepods)} does not exist "
+            self.say_idle(f"the kubepods cgroup {self.fs.abspath(self.layout.kubepods)} does not exist "
                            "(or is not a directory)")
             return False
-        self._say_idle(None)
+        self.say_idle(None)
         return True
 
     def _refuse(self, key: str, reason: str) -> None:

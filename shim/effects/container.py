@@ -1,0 +1,75 @@
+"""Container-level cgroup files: the monitor's reads of memory.* and its writes (the guard's
+memory.high, proactive reclaim's memory.reclaim).
+
+Every path is walked like every other write (shim.effects.cgroupfs.CgroupTree): one component
+at a time with O_NOFOLLOW below the cgroup root, and strictly inside the allowed subtree (the
+kubepods cgroup): a symlink, ``..`` or anything outside is refused. memory.high is written
+compare-and-write: the file must still hold what the decision saw.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from shim.effects.cgroupfs import CgroupTree, PathRefused
+
+READ_FILES = ("memory.current", "memory.min", "memory.low", "memory.high", "memory.max",
+              "memory.events", "memory.pressure")
+RECLAIM_READ_FILES = READ_FILES + ("memory.stat",)  # what the monitor reads with reclaim on
+WRITE_FILES = frozenset({"memory.high"})
+_MAX_READ = 4096
+_MAX_READ_STAT = 16384  # memory.stat: ~50 lines on 6.x kernels
+
+
+class ContainerCgroups(CgroupTree):
+    """Reads of memory.* files and writes of memory.high, below ``root``, only strictly inside
+    the ``allowed`` subtrees (relative paths), never through a symlink (CgroupTree)."""
+
+    strictly_below = True
+
+    def is_dir(self, rel: str) -> bool:
+        """False when missing; PathRefused for a symlink (or a file) on the way."""
+        return self._has_dir(rel, (OSError,))
+
+    def read_files(self, rel: str, files: Iterable[str] = READ_FILES) -> dict[str, str | None]:
+        """file -> content (None: missing or unreadable). FileNotFoundError when the cgroup is gone."""
+        dfd = self._open_dir(self.check(rel))
+        out: dict[str, str | None] = {}
+        try:
+            for name in files:
+                if name not in RECLAIM_READ_FILES:
+                    raise PathRefused(f"{name!r} is not a file the monitor reads")
+                try:
+                    fd = self._open_file(dfd, name, os.O_RDONLY)
+                except (OSError, PathRefused):
+                    out[name] = None
+                    continue
+                try:
+                    out[name] = os.read(fd, _MAX_READ_STAT if name == "memory.stat" else _MAX_READ).decode(
+                        "ascii", "replace")
+                except OSError:  # e.g. EOPNOTSUPP: memory.pressure with PSI disabled
+                    out[name] = None
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(dfd)
+        return out
+
+    def write(self, rel: str, name: str, value: str, expect: str | None = None) -> str:
+        """Write value to rel/name. With ``expect``, only when the file holds it (stripped);
+        ValueError otherwise. Returns what the file held."""
+        if name not in WRITE_FILES:
+            raise PathRefused(f"{name!r} is not a file the monitor writes")
+        if value != "max" and not (value.isascii() and value.isdigit()):
+            raise ValueError(f"bad memory value {value!r}")
+        def decide(old: str) -> str:
+            if expect is not None and old != expect:
+                raise ValueError(f"{name} holds {old!r}, not {expect!r}: changed meanwhile")
+            return value
+
+        dfd = self._open_dir(self.check(rel))
+        try:
+            return self._read_then_write(dfd, name, decide)
+        finally:
+            os.close(dfd)
+

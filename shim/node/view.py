@@ -1,0 +1,49 @@
+"""The node as the reconciler last saw it, for other threads to read.
+
+The reconciler's NodeState is mutated by its own thread only. After each change it applies,
+the reconciler publishes a ``NodeView``: an immutable tuple of ``ContainerRef`` (one per
+container: its id, pod, container name, cgroup parent and QoS class), replacing a single
+attribute. A reader (the monitor) takes that attribute once and iterates it without locks
+or retries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shim.node.state import NodeState
+
+
+@dataclass(frozen=True)
+class ContainerRef:
+    """A container and the pod data its cgroup directory is built from."""
+
+    id: str
+    namespace: str
+    pod: str
+    container: str
+    uid: str
+    cgroup_parent: str
+    qos: str = ""
+
+    def label(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """Every container of the node state, immutable."""
+
+    containers: tuple[ContainerRef, ...] = ()
+
+    @classmethod
+    def of(cls, state: NodeState) -> "NodeView":
+        out = []
+        for pod in state.pods.values():
+            parent = pod.cgroup_parent
+            qos = pod.qos
+            for c in pod.containers.values():
+                out.append(ContainerRef(c.id, pod.namespace, pod.name, c.name, pod.uid, parent,
+                                        qos.value if qos is not None else ""))
+        return cls(tuple(out))
