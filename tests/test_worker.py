@@ -172,7 +172,7 @@ def test_the_monitor_samples_the_containers_of_the_published_view(tmp_path):
     write_cgroup(root / "kubepods" / "burstable" / f"pod{UID}" / CID, current=10 * MI)
     ref = ContainerRef(CID, "default", "web-1", "app", UID, f"/kubepods/burstable/pod{UID}", "Burstable")
     rec = PublishingReconciler(NodeView())
-    cfg = Config(cgroup_root=str(root))
+    cfg = Config(cgroup_root=str(root), guard_state=None)
     m = build_monitor(cfg, KubeletFacts(source="test", cgroup_driver="cgroupfs"), lambda r: None, reconciler=rec)
     m.tick()
     assert m.snapshot().readings == []  # nothing published yet
