@@ -471,6 +471,10 @@ def test_delay_and_fail_knobs(server, client):
     rt.delays["ExecSync"] = 0.1
     rt.exec_sync_result = (b"ok\n", b"", 0)
     assert client.rs.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["true"], timeout=1)).stdout == b"ok\n"
+    rt.exec_sync_output = lambda cmd: (cmd[1].encode(), b"", 3) if cmd[0] == "echo" else None
+    r = client.rs.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["echo", "hi"], timeout=1))
+    assert (r.stdout, r.exit_code) == (b"hi", 3)
+    assert client.rs.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["true"], timeout=1)).stdout == b"ok\n"
 
 
 def test_concurrent_clients(server, client):

@@ -311,7 +311,8 @@ class ContainerCalls(RuntimeState):
         return pb.ReopenContainerLogResponse()
 
     def _exec_sync(self, req: pb.ExecSyncRequest) -> pb.ExecSyncResponse:
-        """ExecSync: returns ``exec_sync_result`` (default exit code 0, no output).
+        """ExecSync: returns ``exec_sync_output(cmd)`` if set and not None, else ``exec_sync_result``
+        (default exit code 0, no output).
 
         Unknown id -> NOT_FOUND 'failed to exec in container: failed to find container "<id>"
         in store: not found'; not running -> UNKNOWN 'failed to exec in container: container is
@@ -326,5 +327,6 @@ class ContainerCalls(RuntimeState):
             raise CriError(
                 UNKNOWN, f"failed to exec in container: container is in {pb.ContainerState.Name(c.state)} state"
             )
-        stdout, stderr, code = self.exec_sync_result
+        answer = self.exec_sync_output(list(req.cmd)) if self.exec_sync_output is not None else None
+        stdout, stderr, code = self.exec_sync_result if answer is None else answer
         return pb.ExecSyncResponse(stdout=stdout, stderr=stderr, exit_code=code)

@@ -73,6 +73,8 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
       the image is accepted and given a synthetic id, so tests need not pull first.
     * ``network_ready``: the NetworkReady condition of Status.
     * ``exec_sync_result``: (stdout, stderr, exit_code) that ExecSync returns.
+    * ``exec_sync_output``: None, or a function of the ExecSync command returning its
+      (stdout, stderr, exit_code), or None for ``exec_sync_result``.
     * ``swap_controller`` / ``hugetlb_controller``: see ``apply_linux_resources``.
     """
 
@@ -113,6 +115,7 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
         # creates it: memory.max and every unified key written, updates applied, removed at exit
         self.cgroup_root = cgroup_root
         self.exec_sync_result: tuple[bytes, bytes, int] = (b"", b"", 0)
+        self.exec_sync_output: Callable[[list[str]], tuple[bytes, bytes, int] | None] | None = None
 
         self.sandboxes: dict[str, Sandbox] = {}
         self.containers: dict[str, Container] = {}

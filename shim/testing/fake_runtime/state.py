@@ -5,7 +5,7 @@ import hashlib
 import posixpath
 import shutil
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from google.protobuf.message import Message
 
@@ -31,6 +31,7 @@ class RuntimeState:
     sandbox_image: str
     runtime_handlers: set[str]
     exec_sync_result: tuple[bytes, bytes, int]
+    exec_sync_output: Callable[[list[str]], tuple[bytes, bytes, int] | None] | None
     sandboxes: dict[str, Sandbox]
     containers: dict[str, Container]
     images: dict[str, Image]

@@ -18,23 +18,21 @@ from shim.tools.bench.workload import EXEC_MAGIC, REPO, SLOW_DELAY, VERSION
 def run_upstream(listen: str) -> int:
     """The benchmark's upstream: shim.testing.fake_runtime with ExecSync output of a requested size and
     PullImage delayed; calls are not kept (100k calls would grow the runtime, not the shim)."""
-    from shim.cri import pb
     from shim.testing.fake_runtime.runtime import FakeRuntime
     from shim.testing.fake_runtime.server import serve_fake_runtime
 
+    outputs: dict[int, bytes] = {}
+
+    def exec_output(cmd: list[str]) -> tuple[bytes, bytes, int] | None:
+        if len(cmd) != 2 or cmd[0] != EXEC_MAGIC:
+            return None
+        n = int(cmd[1])
+        out = outputs.get(n)
+        if out is None:
+            out = outputs[n] = bytes(range(256)) * (n // 256) + b"x" * (n % 256)
+        return out, b"", 0
+
     class BenchRuntime(FakeRuntime):
-        _outputs: dict[int, bytes] = {}
-
-        def _exec_sync(self, req):
-            if len(req.cmd) == 2 and req.cmd[0] == EXEC_MAGIC:
-                n = int(req.cmd[1])
-                out = self._outputs.get(n)
-                if out is None:
-                    out = self._outputs[n] = bytes(range(256)) * (n // 256) + b"x" * (n % 256)
-                self._find_container(req.container_id, "no such container")
-                return pb.ExecSyncResponse(stdout=out, exit_code=0)
-            return super()._exec_sync(req)
-
         def record_call(self, method, request):
             call = super().record_call(method, request)
             with self.lock:
@@ -45,6 +43,7 @@ def run_upstream(listen: str) -> int:
 
     async def main() -> None:
         runtime = BenchRuntime(delays={"PullImage": SLOW_DELAY})
+        runtime.exec_sync_output = exec_output
         server, _ = await serve_fake_runtime(listen, runtime)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
