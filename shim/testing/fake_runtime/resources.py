@@ -9,6 +9,10 @@ from typing import Any
 from shim.cri import pb
 from shim.testing.fake_runtime.records import SYSTEMD
 
+#: the fields WithResources copies only when the new value is non-zero
+_OVERWRITE_IF_SET = ("cpu_period", "cpu_quota", "cpu_shares", "cpuset_cpus", "cpuset_mems")
+
+
 def apply_linux_resources(
     spec: pb.LinuxContainerResources,
     new: pb.LinuxContainerResources,
@@ -32,16 +36,10 @@ def apply_linux_resources(
       statuses carry no hugepage_limits although the kubelet sent 2MB/1GB entries;
     * oom_score_adj is not a resource here (it is process-level, set at create only).
     """
-    if new.cpu_period:
-        spec.cpu_period = new.cpu_period
-    if new.cpu_quota:
-        spec.cpu_quota = new.cpu_quota
-    if new.cpu_shares:
-        spec.cpu_shares = new.cpu_shares
-    if new.cpuset_cpus:
-        spec.cpuset_cpus = new.cpuset_cpus
-    if new.cpuset_mems:
-        spec.cpuset_mems = new.cpuset_mems
+    for name in _OVERWRITE_IF_SET:
+        value = getattr(new, name)
+        if value:
+            setattr(spec, name, value)
     if new.memory_limit_in_bytes:
         spec.memory_limit_in_bytes = new.memory_limit_in_bytes
         if not new.memory_swap_limit_in_bytes and swap_controller:
