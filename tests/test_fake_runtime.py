@@ -1,7 +1,7 @@
 """The fake CRI runtime: real gRPC on a unix socket, driven with the generated stubs.
 
 Expected status codes and messages come from containerd's pkg/cri/server sources and from what
-containerd 1.6.20 answered in tests/data/traces (see shim/testing/fake_runtime/runtime.py).
+containerd 1.6.20 answered in tests/data/traces (see shim/testing/fake_runtime/).
 """
 from __future__ import annotations
 
