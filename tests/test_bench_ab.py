@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from shim.tools import bench_ab
-from shim.tools.bench import REPO
+from shim.tools.bench.workload import REPO
 
 
 def _worktrees() -> list[str]:
@@ -31,7 +31,7 @@ def test_bench_ab_runs_both_versions_and_cleans_up():
 
 
 def test_replay_slices_keep_every_call_once_in_order():
-    from shim.tools.bench import replay_slices
+    from shim.tools.bench.workload import replay_slices
 
     schedule = [(0.1, "a", b"1"), (0.9, "b", b"2"), (1.0, "c", b"3"), (2.5, "d", b"4"), (2.99, "e", b"5")]
     parts = replay_slices(schedule, 1.0)

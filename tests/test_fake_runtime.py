@@ -1,7 +1,7 @@
 """The fake CRI runtime: real gRPC on a unix socket, driven with the generated stubs.
 
 Expected status codes and messages come from containerd's pkg/cri/server sources and from what
-containerd 1.6.20 answered in tests/data/traces (see shim/testing/fake_runtime/runtime.py).
+containerd 1.6.20 answered in tests/data/traces (see shim/testing/fake_runtime/).
 """
 from __future__ import annotations
 
@@ -470,6 +470,10 @@ def test_delay_and_fail_knobs(server, client):
     assert 1.0 <= time.monotonic() - t0 < 3
     rt.delays["ExecSync"] = 0.1
     rt.exec_sync_result = (b"ok\n", b"", 0)
+    assert client.rs.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["true"], timeout=1)).stdout == b"ok\n"
+    rt.exec_sync_output = lambda cmd: (cmd[1].encode(), b"", 3) if cmd[0] == "echo" else None
+    r = client.rs.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["echo", "hi"], timeout=1))
+    assert (r.stdout, r.exit_code) == (b"hi", 3)
     assert client.rs.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["true"], timeout=1)).stdout == b"ok\n"
 
 

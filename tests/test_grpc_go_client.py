@@ -44,7 +44,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-import shim.testing.fake_runtime.runtime as fake_runtime_module
+import shim.testing.fake_runtime.records as fake_runtime_records
 from shim.cri import pb
 from shim.testing.fake_runtime import FakeRuntimeServer
 from shim.testing.kubelet_requests import create_container, sandbox_config
@@ -332,8 +332,8 @@ def test_kubelet_trace_answers_like_the_runtime(grpcgo, monkeypatch, transport):
     calls = _trace_calls()
     serial = itertools.count()
     clock = [0]
-    monkeypatch.setattr(fake_runtime_module, "generate_id", lambda: hashlib.sha256(b"%d" % next(serial)).hexdigest())
-    monkeypatch.setattr(fake_runtime_module, "_now_ns", lambda: clock[0])
+    monkeypatch.setattr(fake_runtime_records, "generate_id", lambda: hashlib.sha256(b"%d" % next(serial)).hexdigest())
+    monkeypatch.setattr(fake_runtime_records, "now_ns", lambda: clock[0])
 
     s = Stack(grpcgo, transport)
     try:

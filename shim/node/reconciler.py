@@ -26,49 +26,21 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-from shim.decision import Policy, QoSClass, protection_key
+from shim.decision import Policy, QoSClass
+from shim.decision.node import POD, PlacedPod, Reserved, Target, node_targets
 from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
 from shim.node.state import OBSERVED_METHODS, NodeState
 from shim.node.view import NodeView
-from shim.decision.quantity import format_bytes
 from shim.transport.hooks import FinishedCall
 from shim.worker import Worker
 
 log = logging.getLogger(__name__)
 
-NODE, QOS, POD = 0, 1, 2
-MIN, LOW = "memory.min", "memory.low"
 RETRY_INTERVAL = 2.0  # while the first rebuild from the runtime has not succeeded
-
-
-@dataclass(frozen=True)
-class Target:
-    path: str
-    file: str
-    value: int
-    level: int
-    why: str
-
-
-@dataclass(frozen=True)
-class Reserved:
-    kind: str  # kube-reserved | system-reserved
-    path: str
-    bytes: int
-
-
-def _fmt(n: int) -> str:
-    return f"{n} ({format_bytes(n)})" if n else "0"
-
-
-# The cgroups the reconciler manages, by who may own their memory.min / memory.low (see
-# shim.node.kubelet.Ownership: a scope the kubelet owns is left to it).
-SCOPES = ("pod", "qos", "kubepods", "reserved")
 
 
 def compute_targets(
@@ -80,27 +52,11 @@ def compute_targets(
     check: Callable[[str], object] | None = None,
     kubelet_owns: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[dict[tuple[str, str], Target], list[tuple[str, str]]]:
-    """Every managed (path, file) -> Target, and the refusals ((key, reason)). Pure but for
-    ``check(path)``, which may raise PathRefused (e.g. CgroupFS.validate: symlinks).
-
-    Per policy (the kubelet's memoryReservationPolicy values, KEP-2570):
-
-    * Hard: pods, the burstable QoS cgroup (Σ Burstable) and kubepods (Σ Guaranteed + Burstable)
-      get memory.min; memory.low 0.
-    * Soft: the same sums in memory.low; memory.min 0.
-    * TieredReservation: Guaranteed pods memory.min, Burstable pods and the burstable QoS cgroup
-      memory.low (as the kubelet); kubepods memory.min = Σ Guaranteed and memory.low = Σ
-      Guaranteed + Burstable (the kubelet writes memory.min = Σ Guaranteed + Burstable there; the
-      shim keeps the Burstable part soft, and without kubepods' memory.low the kernel would cap the
-      Burstable pods' effective memory.low at 0 under node-wide reclaim).
-    * None: every managed value 0.
-
-    ``kubelet_owns``: scopes (``SCOPES``) whose values the kubelet writes itself; the shim
-    leaves them out entirely (it neither writes nor zeroes them)."""
-    page = max(1, page_size)
+    """Every managed (path, file) -> Target (shim.decision.node.node_targets, which has the
+    policy), and the refusals ((key, reason)): pods whose cgroup_parent is not where the layout
+    puts them, or whose path ``check(path)`` refuses (PathRefused, e.g. CgroupFS.validate:
+    symlinks), are left out."""
     refusals: list[tuple[str, str]] = []
-    sums = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
-    counts = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
     pods = []
     for pod in sorted(state.pods.values(), key=lambda p: p.uid):
         try:
@@ -111,69 +67,9 @@ def compute_targets(
             refusals.append((f"pod/{pod.uid}/{pod.cgroup_parent}", f"pod {pod.label()}: {e}"))
             continue
         req = state.request(pod) if pod.active and qos is not QoSClass.BESTEFFORT else None
-        if req is not None:
-            sums[qos] += req.bytes
-            counts[qos] += 1
-        pods.append((pod, qos, path, req))
-
-    targets: dict[tuple[str, str], Target] = {}
-
-    def put(path: str | None, file: str, value: int, level: int, why: str, scope: str) -> None:
-        if path is not None and scope not in kubelet_owns:
-            targets[(path, file)] = Target(path, file, (value // page) * page, level, why)
-
-    name = policy.value
-    g, b = sums[QoSClass.GUARANTEED], sums[QoSClass.BURSTABLE]
-    ng, nb = counts[QoSClass.GUARANTEED], counts[QoSClass.BURSTABLE]
-    kp = layout.kubepods
-    bq, beq = layout.qos(QoSClass.BURSTABLE), layout.qos(QoSClass.BESTEFFORT)
-    all_sum = f"kubepods: {ng} Guaranteed + {nb} Burstable pods' requests sum to {_fmt(g + b)}"
-    b_sum = f"burstable: {nb} Burstable pods' requests sum to {_fmt(b)}"
-    if policy is Policy.NONE:
-        put(kp, MIN, 0, NODE, "policy None", "kubepods")
-        put(kp, LOW, 0, NODE, "policy None", "kubepods")
-        for path in (bq, beq):
-            put(path, MIN, 0, QOS, "policy None", "qos")
-            put(path, LOW, 0, QOS, "policy None", "qos")
-    elif policy is Policy.TIERED_RESERVATION:
-        put(kp, MIN, g, NODE, f"kubepods: {ng} Guaranteed pods' requests sum to {_fmt(g)} "
-                              "(policy TieredReservation)", "kubepods")
-        put(kp, LOW, g + b, NODE, f"{all_sum} (policy TieredReservation)", "kubepods")
-        put(bq, MIN, 0, QOS, "policy TieredReservation protects Burstable pods with memory.low", "qos")
-        put(bq, LOW, b, QOS, f"{b_sum} (policy TieredReservation)", "qos")
-    else:
-        key, other = (MIN, LOW) if policy is Policy.HARD else (LOW, MIN)
-        put(kp, key, g + b, NODE, f"{all_sum} (policy {name})", "kubepods")
-        put(kp, other, 0, NODE, f"policy {name} protects with {key}", "kubepods")
-        put(bq, key, b, QOS, f"{b_sum} (policy {name})", "qos")
-        put(bq, other, 0, QOS, f"policy {name} protects with {key}", "qos")
-    if policy is not Policy.NONE:
-        put(beq, MIN, 0, QOS, "BestEffort pods have no requests", "qos")
-        put(beq, LOW, 0, QOS, "BestEffort pods have no requests", "qos")
-    for pod, qos, path, req in pods:
-        who = f"pod {pod.label()} ({qos.value})"
-        if policy is Policy.NONE:
-            put(path, MIN, 0, POD, f"{who}: policy None", "pod")
-            put(path, LOW, 0, POD, f"{who}: policy None", "pod")
-            continue
-        if not pod.active:
-            put(path, MIN, 0, POD, f"{who}: sandbox stopped", "pod")
-            put(path, LOW, 0, POD, f"{who}: sandbox stopped", "pod")
-            continue
-        if req is None:
-            put(path, MIN, 0, POD, f"{who}: no requests", "pod")
-            put(path, LOW, 0, POD, f"{who}: no requests", "pod")
-            continue
-        names = {c.id: c.name for c in pod.containers.values()}
-        why = f"{who}: request {_fmt(req.bytes)} = {req.explain(names)}"
-        key = protection_key(policy, qos) or MIN
-        other = LOW if key == MIN else MIN
-        put(path, key, req.bytes, POD, f"{why} (policy {name})", "pod")
-        put(path, other, 0, POD, f"{who}: protected by {key} (policy {name})", "pod")
-    for r in reserved:
-        none = policy is Policy.NONE
-        put(r.path, MIN, 0 if none else r.bytes, NODE,
-            f"{r.kind}: policy None" if none else f"{r.kind}: reserved memory {_fmt(r.bytes)}", "reserved")
+        pods.append(PlacedPod(pod, qos, path, req))
+    targets = node_targets(pods, layout.kubepods, layout.qos(QoSClass.BURSTABLE), layout.qos(QoSClass.BESTEFFORT),
+                           policy, page_size, reserved, kubelet_owns)
     return targets, refusals
 
 

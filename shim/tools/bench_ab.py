@@ -20,18 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shim.tools.bench import (
-    CREATE_CONTAINER,
-    DEFAULT_TRACE,
-    QUICK,
-    REPO,
-    VERSION,
-    Client,
-    Processes,
-    padded,
-    pct,
-    prepare,
-)
+from shim.tools.bench.load import Client
+from shim.tools.bench.processes import Processes
+from shim.tools.bench.workload import CREATE_CONTAINER, DEFAULT_TRACE, QUICK, REPO, VERSION, padded, pct, prepare
 
 MiB = 1 << 20
 

@@ -25,24 +25,13 @@ From the command line (foreground until SIGTERM/SIGINT)::
 
 Without gRPC: ``FakeRuntime().handle("/runtime.v1.RuntimeService/Version", b"")``.
 """
-from shim.testing.fake_runtime.runtime import (
-    BUSYBOX_IMAGE_ID,
-    CGROUPFS,
-    DEFAULT_SANDBOX_IMAGE,
-    PAUSE_IMAGE_ID,
-    SYSTEMD,
-    Container,
-    CriError,
-    FakeRuntime,
-    Image,
-    RecordedCall,
-    Sandbox,
-    apply_linux_resources,
-    container_cgroup,
-    default_images,
-    expand_slice,
-    normalize_image_ref,
+from shim.testing.fake_runtime.errors import CriError
+from shim.testing.fake_runtime.records import (
+    BUSYBOX_IMAGE_ID, CGROUPFS, DEFAULT_SANDBOX_IMAGE, PAUSE_IMAGE_ID, SYSTEMD,
+    Container, Image, RecordedCall, Sandbox, default_images, normalize_image_ref,
 )
+from shim.testing.fake_runtime.resources import apply_linux_resources, container_cgroup, expand_slice
+from shim.testing.fake_runtime.runtime import FakeRuntime
 from shim.testing.fake_runtime.server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FakeRuntimeServer,

@@ -14,8 +14,9 @@ import sys
 
 import grpc
 
-from shim.testing.fake_runtime.runtime import CGROUPFS, SYSTEMD, FakeRuntime
-from shim.testing.fake_runtime.server import DEFAULT_MAX_MESSAGE_BYTES, _remove_stale_socket, serve_fake_runtime, socket_path
+from shim.testing.fake_runtime.records import CGROUPFS, SYSTEMD
+from shim.testing.fake_runtime.runtime import FakeRuntime
+from shim.testing.fake_runtime.server import DEFAULT_MAX_MESSAGE_BYTES, remove_stale_socket, serve_fake_runtime, socket_path
 
 log = logging.getLogger("shim.testing.fake_runtime")
 
@@ -101,7 +102,7 @@ async def _run(args: argparse.Namespace) -> int:
     finally:
         await server.stop(1.0)
         try:
-            _remove_stale_socket(path)
+            remove_stale_socket(path)
         except OSError:
             pass
     return 0

@@ -18,7 +18,9 @@ from typing import Any
 import grpc
 
 from shim.cri import pb
-from shim.testing.fake_runtime.runtime import METHODS, SERVICES, CriError, FakeRuntime, _go_duration
+from shim.testing.fake_runtime.errors import CriError, go_duration
+from shim.testing.fake_runtime.methods import METHODS, SERVICES
+from shim.testing.fake_runtime.runtime import FakeRuntime
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 
@@ -41,7 +43,8 @@ def socket_address(listen: str) -> str:
     return "unix://" + socket_path(listen)
 
 
-def _remove_stale_socket(path: str) -> None:
+def remove_stale_socket(path: str) -> None:
+    """Unlink a socket file left by an earlier server; FileExistsError if the path is not a socket."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -91,7 +94,7 @@ async def _exec_sync(runtime: FakeRuntime, path: str, request: bytes) -> bytes:
             await asyncio.sleep(timeout)
             raise CriError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"failed to exec in container: timeout {_go_duration(timeout)} exceeded: context deadline exceeded",
+                f"failed to exec in container: timeout {go_duration(timeout)} exceeded: context deadline exceeded",
             )
         await asyncio.sleep(delay)
     failure = runtime.failure_for(path)
@@ -170,7 +173,7 @@ async def serve_fake_runtime(
         raise TypeError("pass either a runtime or FakeRuntime keyword arguments, not both")
     path = socket_path(listen_path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _remove_stale_socket(path)
+    remove_stale_socket(path)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -265,7 +268,7 @@ class FakeRuntimeServer:
         thread.join(timeout)
         self._thread = self._server = self._loop = None
         try:
-            _remove_stale_socket(self.path)
+            remove_stale_socket(self.path)
         except OSError:
             pass
 
