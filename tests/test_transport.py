@@ -19,12 +19,11 @@ import pytest
 
 from shim.transport import proxy as proxy_module
 from shim.transport.endpoints import grpc_target, socket_path
-from shim.transport.hooks import (
-    CREATE_CONTAINER,
-    REWRITTEN_METHODS,
-    UPDATE_CONTAINER_RESOURCES,
-    FinishedCall,
-)
+from shim.container.rewriter import ContainerMemoryQoS
+from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
+from shim.transport.hooks import FinishedCall
+
+REWRITTEN_METHODS = ContainerMemoryQoS.held_methods
 from shim.transport.proxy import CriProxy
 from shim.transport.relay import RelayProxy
 
@@ -56,7 +55,8 @@ def transport(request):
 
 
 def Proxy(*args, **kw):
-    """The transport under test, constructed like CriProxy."""
+    """The transport under test, constructed like CriProxy (with the CRI method table)."""
+    kw.setdefault("methods", CRI_METHODS)
     return TRANSPORTS[_current[0]](*args, **kw)
 
 
@@ -78,15 +78,21 @@ def run(loop, aw, timeout: float = 30.0):
 
 
 class RecordingHooks:
+    held_methods = REWRITTEN_METHODS
+
     def __init__(self) -> None:
         self.rewrites: list[tuple[str, bytes]] = []
         self.finished_calls: list[FinishedCall] = []
         self.rewrite_fn = None
         self.finished_raises = False
 
-    def rewrite(self, method: str, request: bytes) -> bytes:
+    def rewrite(self, call: FinishedCall) -> bytes:
+        method, request = call.method, call.request
         self.rewrites.append((method, request))
         return request if self.rewrite_fn is None else self.rewrite_fn(method, request)
+
+    def not_rewritten(self, method: str, reason: str) -> None:
+        return None
 
     def finished(self, call: FinishedCall) -> None:
         self.finished_calls.append(call)

@@ -34,7 +34,8 @@ from shim.decision import Policy, QoSClass, protection_key
 from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
-from shim.node.state import OBSERVED_METHODS, NodeState
+from shim.cri.events import OBSERVED_METHODS, call_event
+from shim.node.state import NodeState
 from shim.decision.quantity import format_bytes
 from shim.transport.hooks import FinishedCall
 
@@ -202,7 +203,8 @@ _UNSET = object()
 
 
 class ReconcilerObserver:
-    """The HookChain observer: finished() only enqueues (never parses, never blocks)."""
+    """The HookChain observer: finished() only enqueues (never parses, never blocks); the
+    call's event (``shim.cri.events``) is made on the reconciler's thread."""
 
     def __init__(self, q: queue.SimpleQueue):
         self._q = q
@@ -369,7 +371,8 @@ class Reconciler:
     # -- state
     def _apply(self, call: FinishedCall) -> tuple[bool, str | None]:
         """(state changed, uid of a pod whose containers' states should be asked for)."""
-        return self.state.apply_call(call)
+        event = call_event(call)
+        return (False, None) if event is None else self.state.apply(event)
 
     def _refresh_pod(self, uid: str) -> bool:
         """Ask the runtime for the state of the pod's containers that had not finished when

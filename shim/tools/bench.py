@@ -39,18 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from shim.cri.methods import CREATE_CONTAINER, EXEC_SYNC, PULL_IMAGE, VERSION
 from shim.evidence.trace import open_text
 from shim.testing.traces import MEMQOS_OFF, TRACES_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = TRACES_DIR / f"{MEMQOS_OFF}.jsonl.xz"
 
-RS = "/runtime.v1.RuntimeService/"
-IS = "/runtime.v1.ImageService/"
-VERSION = RS + "Version"
-EXEC_SYNC = RS + "ExecSync"
-CREATE_CONTAINER = RS + "CreateContainer"
-PULL_IMAGE = IS + "PullImage"
 MiB = 1024 * 1024
 CLIENT_MAX = 64 * MiB
 SLOW_DELAY = 2.0  # seconds the runtime holds every PullImage
@@ -733,7 +728,7 @@ def hook_cost(template, n: int) -> float:
     from shim.decision import Policy
     from shim.node.facts import load_kubelet_config, node_facts
     from shim.app.service import build_container_qos, build_request_hooks
-    from shim.transport.hooks import CREATE_CONTAINER as METHOD
+    from shim.transport.hooks import RpcCall
 
     node = node_facts(16 * 1024 * MiB, load_kubelet_config(None), page_size=4096, allocatable=None, factor="auto")
     hooks = build_request_hooks(build_container_qos(node, Policy.REQUEST, lambda record: None))
@@ -743,7 +738,7 @@ def hook_cost(template, n: int) -> float:
         requests.append(template.SerializeToString())
     t0 = time.perf_counter()
     for r in requests:
-        hooks.rewrite(METHOD, r)
+        hooks.rewrite(RpcCall(CREATE_CONTAINER, 0.0, request=r))
     return (time.perf_counter() - t0) / n * 1e6
 
 

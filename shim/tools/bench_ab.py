@@ -20,12 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shim.cri.methods import CREATE_CONTAINER, VERSION
 from shim.tools.bench import (
-    CREATE_CONTAINER,
     DEFAULT_TRACE,
     QUICK,
     REPO,
-    VERSION,
     Client,
     Processes,
     padded,
