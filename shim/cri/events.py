@@ -75,16 +75,25 @@ class PodResourcesUpdated:
 
 @dataclass(frozen=True)
 class ContainerRemoved:
+    """RemoveContainer: the container is gone (whether or not it was known)."""
+
     container_id: str
 
 
 @dataclass(frozen=True)
 class PodSandboxStopped:
+    """StopPodSandbox: the sandbox is no longer ready (the pod stays active while another
+    sandbox of it is); its containers stay until removed."""
+
     sandbox_id: str
 
 
 @dataclass(frozen=True)
 class PodSandboxRemoved:
+    """RemovePodSandbox: the sandbox and every container in it are gone; the pod with them
+    when it has no other sandbox (its cgroup's protection goes with it, the QoS class and
+    node sums shrink)."""
+
     sandbox_id: str
 
 

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shim.cri import pb
-from shim.cri.methods import CONTAINER_STATUS, LIST_CONTAINERS, LIST_POD_SANDBOX, POD_SANDBOX_STATUS
+from shim.cri.methods import RUNTIME_SERVICE
 from shim.decision import PodFacts
 from shim.cri.facts import derived_request
 from shim.decision.pod import container_request
@@ -41,10 +41,9 @@ class RuntimeClient:
     def close(self) -> None:
         self._client.close()
 
-    def _call(self, method: str, request: Any, response_cls: Any) -> Any:
-        name = method.rsplit("/", 1)[-1]
+    def _call(self, name: str, request: Any, response_cls: Any) -> Any:
         try:
-            raw = self._client.call(method, request.SerializeToString(), self.timeout)
+            raw = self._client.call(RUNTIME_SERVICE + name, request.SerializeToString(), self.timeout)
         except CallError as e:
             raise RuntimeUnavailable(name, e.code, e.details) from None
         try:
@@ -53,15 +52,15 @@ class RuntimeClient:
             raise RuntimeUnavailable(name, "INTERNAL", f"undecodable answer: {e}") from None
 
     def list_sandboxes(self) -> list:
-        return list(self._call(LIST_POD_SANDBOX, pb.ListPodSandboxRequest(), pb.ListPodSandboxResponse).items)
+        return list(self._call("ListPodSandbox", pb.ListPodSandboxRequest(), pb.ListPodSandboxResponse).items)
 
     def list_containers(self) -> list:
-        return list(self._call(LIST_CONTAINERS, pb.ListContainersRequest(), pb.ListContainersResponse).containers)
+        return list(self._call("ListContainers", pb.ListContainersRequest(), pb.ListContainersResponse).containers)
 
     def sandbox_status(self, sid: str, verbose: bool = True):
         """PodSandboxStatusResponse, or None when the sandbox is gone."""
         try:
-            return self._call(POD_SANDBOX_STATUS, pb.PodSandboxStatusRequest(pod_sandbox_id=sid, verbose=verbose),
+            return self._call("PodSandboxStatus", pb.PodSandboxStatusRequest(pod_sandbox_id=sid, verbose=verbose),
                               pb.PodSandboxStatusResponse)
         except RuntimeUnavailable as e:
             if e.code == "NOT_FOUND":
@@ -71,7 +70,7 @@ class RuntimeClient:
     def container_status(self, cid: str):
         """ContainerStatus, or None when the container is gone."""
         try:
-            return self._call(CONTAINER_STATUS, pb.ContainerStatusRequest(container_id=cid),
+            return self._call("ContainerStatus", pb.ContainerStatusRequest(container_id=cid),
                               pb.ContainerStatusResponse).status
         except RuntimeUnavailable as e:
             if e.code == "NOT_FOUND":

@@ -39,7 +39,7 @@ class MethodShape(Protocol):
     server_streaming: bool
 
 
-@dataclass(eq=False)
+@dataclass(slots=True)
 class RpcCall:
     """One RPC through the proxy: created by the transport when it starts (held calls) or
     ends, given to ``rewrite`` and, completed, to ``finished``; shaped like a line of the trace
@@ -66,12 +66,8 @@ class RpcCall:
     def complete(self, duration_ms: float, forwarded: bytes | None, responses: list[bytes], code: str,
                  details: str, truncated: bool = False) -> "RpcCall":
         """The call as it ended (the transport's side of the fields)."""
-        self.duration_ms = duration_ms
-        self.forwarded = forwarded
-        self.responses = responses
-        self.code = code
-        self.details = details
-        self.truncated = truncated
+        self.duration_ms, self.forwarded, self.responses = duration_ms, forwarded, responses
+        self.code, self.details, self.truncated = code, details, truncated
         return self
 
 
