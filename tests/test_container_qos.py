@@ -8,16 +8,18 @@ import pytest
 from shim.container.rewriter import ContainerMemoryQoS, container_note
 from shim.cri import pb
 from shim.decision import NodeFacts, Policy
-from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+from shim.cri.methods import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
+from shim.transport.hooks import FinishedCall
 from tests.kubelet_requests import MI, create_container, sandbox_config, update_resources
 
 NODE = NodeFacts(capacity=2060419072, allocatable=1850703872, page_size=4096, factor=0.9)
 
 
 def run(hooks, method, request: bytes, response: bytes = b"", code="OK"):
-    forwarded = hooks.rewrite(method, request)
-    hooks.finished(FinishedCall(method, 0.0, 0.1, request, forwarded if forwarded != request else None,
-                                [response] if code == "OK" else [], code, ""))
+    call = FinishedCall(method, 0.0, request=request)
+    forwarded = hooks.rewrite(call)
+    hooks.finished(call.complete(0.1, forwarded if forwarded != request else None,
+                                 [response] if code == "OK" else [], code, ""))
     return forwarded
 
 

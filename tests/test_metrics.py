@@ -114,14 +114,16 @@ def test_metrics_show_every_series_with_the_fake_cgroupfs_values(tmp_path):
     obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", time.time(), 0.3, b"", None, [], "OK"))
 
     class Inner:
-        def rewrite(self, method, request):
-            return request + b"!"
+        held_methods = frozenset({"/runtime.v1.RuntimeService/CreateContainer"})
+
+        def rewrite(self, call):
+            return call.request + b"!"
 
         def finished(self, call):
             self.seen = call
 
     timed = m.timed(Inner())
-    assert timed.rewrite("/runtime.v1.RuntimeService/CreateContainer", b"x") == b"x!"
+    assert timed.rewrite(FinishedCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, request=b"x")) == b"x!"
     # what the audit log says: rewrites by QoS and source, fail-opens, cgroup writes, refusals, guard
     for rec in (
         {"event": "rewrite", "method": "CreateContainer", "qos": "Burstable", "request_source": "annotation"},

@@ -11,16 +11,8 @@ from shim.container.rewriter import CONTAINER_ANNOTATION
 from shim.cri import pb
 from shim.decision import Policy
 from shim.effects import CgroupLayout
-from shim.node.state import (
-    INIT,
-    REGULAR,
-    REPLACED,
-    SIDECAR,
-    UNSURE,
-    ContainerRecord,
-    NodeState,
-    pod_request,
-)
+from shim.decision.pod import INIT, REGULAR, REPLACED, SIDECAR, UNSURE, pod_request
+from shim.node.state import ContainerRecord, NodeState
 from shim.node.reconciler import compute_targets
 from shim.transport.hooks import FinishedCall
 from tests.kubelet_requests import MI, create_container, sandbox_config

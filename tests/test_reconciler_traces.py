@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 from shim.cri import pb
+from shim.cri.methods import CRI_METHODS
 from shim.effects import CgroupLayout
 from shim.evidence.trace import read_trace
 from shim.node.reconciler import Reconciler
@@ -92,7 +93,7 @@ def replay_through_proxy(tmp_path: Path, trace_path: Path):
     async def run():
         runtime = TraceRuntime(trace.calls)
         await runtime.start(str(tmp_path / "runtime.sock"))
-        proxy = CriProxy("unix://" + str(tmp_path / "shim.sock"), runtime.endpoint, hooks)
+        proxy = CriProxy("unix://" + str(tmp_path / "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
         await proxy.start()
         try:
             outcomes = await drive("unix://" + proxy.listen_path, trace.in_start_order(), before=before)

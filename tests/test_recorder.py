@@ -15,7 +15,8 @@ import pytest
 
 from shim.evidence.recorder import HIGH_VOLUME_METHODS, MethodFilter, Recorder, shim_header
 from shim.evidence.trace import TraceCall, TraceError, make_header, open_text, read_trace, trace_stem, write_trace
-from shim.transport.hooks import CREATE_CONTAINER, FinishedCall
+from shim.cri.methods import CREATE_CONTAINER
+from shim.transport.hooks import FinishedCall
 from shim.testing.traces import all_traces
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ import grpc
 import hpack
 import pytest
 
-from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
+from shim.transport.hooks import FinishedCall
 from shim.transport.wire.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
 from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
@@ -51,6 +52,8 @@ def run(loop, aw, timeout: float = 60.0):
 
 
 class Hooks:
+    held_methods = frozenset({CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES})
+
     def __init__(self, rewrite=None) -> None:
         self.rewrite_fn = rewrite
         self.rewrites: list[tuple[str, bytes]] = []
@@ -60,7 +63,8 @@ class Hooks:
     def not_rewritten(self, method: str, reason: str) -> None:
         self.not_rewritten_calls.append((method, reason))
 
-    def rewrite(self, method: str, request: bytes) -> bytes:
+    def rewrite(self, call: FinishedCall) -> bytes:
+        method, request = call.method, call.request
         self.rewrites.append((method, request))
         return request if self.rewrite_fn is None else self.rewrite_fn(method, request)
 
@@ -134,7 +138,7 @@ class Stack:
         if self.taps:
             self.back = Tap(f"{base}/back.sock", upstream, back_split)
             upstream = f"{base}/back.sock"
-        self.relay = RelayProxy(f"{base}/shim.sock", upstream, self.hooks, **relay_kw)
+        self.relay = RelayProxy(f"{base}/shim.sock", upstream, self.hooks, methods=CRI_METHODS, **relay_kw)
         target = f"{base}/shim.sock"
         if self.taps:
             self.front = Tap(f"{base}/front.sock", target, front_split)
@@ -451,7 +455,7 @@ def test_padded_headers_and_data_are_parsed(loop, base):
     """The relay's own parsing of padded HEADERS and DATA, seen through its UNAVAILABLE answer
     (no runtime) and what finished() gets."""
     hooks = Hooks()
-    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks)
+    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks, methods=CRI_METHODS)
     message = request_for(EXEC_SYNC, size=30000)
     raw = _raw_request(EXEC_SYNC, message, pad_headers=True, pad_data=True)
 
@@ -505,7 +509,7 @@ def test_runtime_connection_lost_mid_call(loop, base):
 
 def test_runtime_down_answers_unavailable_with_the_request_observed(loop, base):
     hooks = Hooks()
-    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks)
+    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks, methods=CRI_METHODS)
 
     async def body():
         await relay.start()
@@ -565,7 +569,7 @@ def test_idle_refused_connection_is_closed(loop, base, monkeypatch):
 
     monkeypatch.setattr(relay_module, "REFUSED_IDLE_CLOSE", 0.3)
     hooks = Hooks()
-    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks)
+    relay = RelayProxy(f"{base}/shim.sock", f"{base}/nobody.sock", hooks, methods=CRI_METHODS)
     block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", VERSION),
                                     (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
 
@@ -610,7 +614,7 @@ def test_threaded_relay_on_uvloop(loop, base):
 
     echo = EchoUpstream(f"{base}/up.sock")
     hooks = Hooks(added)
-    proxy = ThreadedProxy(RelayProxy(f"{base}/shim.sock", f"{base}/up.sock", hooks), uvloop.new_event_loop)
+    proxy = ThreadedProxy(RelayProxy(f"{base}/shim.sock", f"{base}/up.sock", hooks, methods=CRI_METHODS), uvloop.new_event_loop)
 
     async def body():
         await echo.start()

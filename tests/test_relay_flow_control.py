@@ -32,7 +32,7 @@ from shim.transport.wire.h2 import (
     setting,
     window_update,
 )
-from shim.transport.hooks import CREATE_CONTAINER
+from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS
 from shim.transport.relay import PREFACE, Buffer, Connection, RelayProxy
 
 try:
@@ -144,7 +144,8 @@ def create_container_call(message: bytes, sid: int = SID, encoder: hpack.Encoder
 
 def new_connection(base: str, **relay_kw):
     hooks = Hooks(added)
-    relay = RelayProxy(f"unix://{base}/shim.sock", f"unix://{base}/runtime.sock", hooks, **relay_kw)
+    relay = RelayProxy(f"unix://{base}/shim.sock", f"unix://{base}/runtime.sock", hooks, methods=CRI_METHODS,
+                       **relay_kw)
     relay.trim_soon = lambda: None  # after a large call; RelayProxy's needs an event loop
     client, upstream = Buffer(), Buffer()
     conn = Connection(relay, client)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hpack
 import pytest
 
-from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
+from shim.cri.methods import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
 from shim.transport.relay import PREFACE
 from shim.transport.wire.h2 import (
     ACK,

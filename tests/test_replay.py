@@ -16,7 +16,7 @@ from shim.decision import Policy
 from shim.evidence.trace import TraceCall, make_header, read_trace, trace_stem, write_trace
 from shim.tools.replay import compare_records, drive, load_records, replay, replay_settings
 from shim.testing.trace_runtime import TraceRuntime, normalized_request
-from shim.transport.hooks import CREATE_CONTAINER
+from shim.cri.methods import CREATE_CONTAINER
 from shim.testing.traces import MEMQOS_OFF as MEMQOS_OFF_STEM, MEMQOS_ON as MEMQOS_ON_STEM, SMOKE as SMOKE_STEM, TRACES_DIR, all_traces, trace_file
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,12 +19,11 @@ import pytest
 
 from shim.transport import proxy as proxy_module
 from shim.transport.endpoints import grpc_target, socket_path
-from shim.transport.hooks import (
-    CREATE_CONTAINER,
-    REWRITTEN_METHODS,
-    UPDATE_CONTAINER_RESOURCES,
-    FinishedCall,
-)
+from shim.container.rewriter import ContainerMemoryQoS
+from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
+from shim.transport.hooks import FinishedCall
+
+REWRITTEN_METHODS = ContainerMemoryQoS.held_methods
 from shim.transport.proxy import CriProxy
 from shim.transport.relay import RelayProxy
 
@@ -56,7 +55,8 @@ def transport(request):
 
 
 def Proxy(*args, **kw):
-    """The transport under test, constructed like CriProxy."""
+    """The transport under test, constructed like CriProxy (with the CRI method table)."""
+    kw.setdefault("methods", CRI_METHODS)
     return TRANSPORTS[_current[0]](*args, **kw)
 
 
@@ -78,15 +78,21 @@ def run(loop, aw, timeout: float = 30.0):
 
 
 class RecordingHooks:
+    held_methods = REWRITTEN_METHODS
+
     def __init__(self) -> None:
         self.rewrites: list[tuple[str, bytes]] = []
         self.finished_calls: list[FinishedCall] = []
         self.rewrite_fn = None
         self.finished_raises = False
 
-    def rewrite(self, method: str, request: bytes) -> bytes:
+    def rewrite(self, call: FinishedCall) -> bytes:
+        method, request = call.method, call.request
         self.rewrites.append((method, request))
         return request if self.rewrite_fn is None else self.rewrite_fn(method, request)
+
+    def not_rewritten(self, method: str, reason: str) -> None:
+        return None
 
     def finished(self, call: FinishedCall) -> None:
         self.finished_calls.append(call)
@@ -613,6 +619,47 @@ def test_quick_call_not_delayed_by_100_slow_calls(loop, stack):
 
 
 # ---------------------------------------------------------------------------- hooks
+
+
+def test_the_transport_holds_exactly_the_methods_the_hooks_declare(loop, tmp_path):
+    """The transport knows no method names: hooks that hold ExecSync get it rewritten, and
+    CreateContainer passes through untouched; rewrite() and finished() get the same call."""
+    s = Stack(tmp_path)
+
+    class ExecHooks(RecordingHooks):
+        held_methods = frozenset({EXEC_SYNC})
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[FinishedCall] = []
+
+        def rewrite(self, call: FinishedCall) -> bytes:
+            self.seen.append(call)
+            call.decision = "tagged"
+            return super().rewrite(call)
+
+    s.hooks = ExecHooks()
+    s.hooks.rewrite_fn = lambda method, request: request + length_delimited(99, b"rewritten")
+    s.proxy = Proxy("unix://" + s.listen_path, "unix://" + s.upstream_path, s.hooks)
+
+    async def body():
+        await s.start()
+        try:
+            for method in (EXEC_SYNC, CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, VERSION):
+                await s.unary(method)(request_for(method), timeout=5)
+        finally:
+            await s.stop()
+
+    run(loop, body())
+    assert s.hooks.rewrites == [(EXEC_SYNC, request_for(EXEC_SYNC))]
+    expected = request_for(EXEC_SYNC) + length_delimited(99, b"rewritten")
+    assert s.echo.calls(EXEC_SYNC)[0].request == expected
+    [fc] = s.hooks.calls(EXEC_SYNC)
+    assert fc is s.hooks.seen[0] and fc.decision == "tagged" and fc.forwarded == expected
+    for method in (CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, VERSION):
+        assert s.echo.calls(method)[0].request == request_for(method)
+        [fc] = s.hooks.calls(method)
+        assert fc.forwarded is None and fc.decision is None
 
 
 def test_rewrite_hook_gets_exactly_the_rewritten_methods(loop, stack):

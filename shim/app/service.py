@@ -7,9 +7,10 @@ from typing import Any
 
 from shim.app.config import Config
 from shim.container.rewriter import ContainerMemoryQoS
+from shim.cri.methods import CRI_METHODS
 from shim.evidence.audit import AuditLog
 from shim.node.facts import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
-from shim.transport.hooks import CallHooks, FinishedCall
+from shim.transport.hooks import CallHooks, RpcCall
 
 log = logging.getLogger(__name__)
 
@@ -20,16 +21,15 @@ class HookChain:
     def __init__(self, rewriter: CallHooks, observers: list[Any] | None = None):
         self.rewriter = rewriter
         self.observers = list(observers or [])
+        self.held_methods = rewriter.held_methods
 
-    def rewrite(self, method: str, request: bytes) -> bytes:
-        return self.rewriter.rewrite(method, request)
+    def rewrite(self, call: RpcCall) -> bytes:
+        return self.rewriter.rewrite(call)
 
     def not_rewritten(self, method: str, reason: str) -> None:
-        tell = getattr(self.rewriter, "not_rewritten", None)
-        if tell is not None:
-            tell(method, reason)
+        self.rewriter.not_rewritten(method, reason)
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         self.rewriter.finished(call)
         for observer in self.observers:
             try:
@@ -157,7 +157,7 @@ class Service:
             from shim.transport.loop_thread import ThreadedProxy, uvloop_factory
             from shim.transport.relay import RelayProxy
 
-            self.proxy = RelayProxy(self.cfg.listen, self.cfg.upstream, self.hooks,
+            self.proxy = RelayProxy(self.cfg.listen, self.cfg.upstream, self.hooks, methods=CRI_METHODS,
                                     socket_mode=mode, socket_group=self.cfg.socket_group)
             factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop
             if factory is not None:
@@ -165,7 +165,7 @@ class Service:
         else:
             from shim.transport.proxy import CriProxy
 
-            self.proxy = CriProxy(self.cfg.listen, self.cfg.upstream, self.hooks,
+            self.proxy = CriProxy(self.cfg.listen, self.cfg.upstream, self.hooks, methods=CRI_METHODS,
                                   socket_mode=mode, socket_group=self.cfg.socket_group)
         await self.proxy.start()
         log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)

@@ -7,7 +7,6 @@ forwards the kubelet's original bytes and leaves a fail-open audit record.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from functools import partial
 from json.encoder import encode_basestring_ascii as _json_string
@@ -15,8 +14,10 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from shim.cri import pb
+from shim.cri.events import ContainerRemoved, PodSandboxRemoved, call_event, created_container_id
+from shim.cri.facts import container_facts, pod_facts
+from shim.cri.methods import CREATE_CONTAINER, REMOVE_CONTAINER, REMOVE_POD_SANDBOX, UPDATE_CONTAINER_RESOURCES
 from shim.decision import (
-    ContainerFacts,
     Decision,
     NodeFacts,
     PodFacts,
@@ -26,17 +27,11 @@ from shim.decision import (
     RequestSource,
     decide,
 )
+from shim.decision.pod import CONTAINER_ANNOTATION  # noqa: F401  (re-exported for callers)
 from shim.decision.request import resolve_request  # noqa: F401  (re-exported for callers)
-from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, FinishedCall
+from shim.transport.hooks import RpcCall
 
 log = logging.getLogger(__name__)
-
-# Left on every container the shim creates, so a restarted shim can rebuild pod-level
-# sums from the runtime alone (ListContainers / ContainerStatus return annotations).
-CONTAINER_ANNOTATION = "memqos.io/request"
-REMOVE_CONTAINER = "/runtime.v1.RuntimeService/RemoveContainer"
-REMOVE_POD_SANDBOX = "/runtime.v1.RuntimeService/RemovePodSandbox"
-MAX_PENDING = 4096
 
 
 @dataclass(frozen=True)
@@ -48,28 +43,6 @@ class KnownContainer:
     pod: PodFacts
     qos: QoSClass
     request: Request
-
-
-def _pod_facts(sandbox: Any) -> PodFacts:
-    return PodFacts(
-        uid=sandbox.metadata.uid,
-        namespace=sandbox.metadata.namespace,
-        name=sandbox.metadata.name,
-        cgroup_parent=sandbox.linux.cgroup_parent,
-        annotations=MappingProxyType(dict(sandbox.annotations)),
-    )
-
-
-def _container_facts(name: str, resources: Any) -> ContainerFacts:
-    limit = resources.memory_limit_in_bytes
-    if limit < 0:
-        raise ValueError(f"negative memory_limit_in_bytes {limit}")
-    return ContainerFacts(
-        name=name,
-        limit=limit,
-        oom_score_adj=resources.oom_score_adj,
-        unified=MappingProxyType(dict(resources.unified)),
-    )
 
 
 def _create_base(pod: PodFacts, name: str, sandbox_id: str) -> dict:
@@ -98,10 +71,17 @@ def _apply(resources: Any, decision: Decision) -> None:
 
 
 class ContainerMemoryQoS:
-    """CallHooks for the two rewritten methods.
+    """CallHooks for the two rewritten methods (``held_methods``).
+
+    ``rewrite`` leaves on the call what ``finished`` needs: the audit record (``audit``, built
+    in finished, a callable until then: the relay runs finished after the kubelet has its
+    answer, so the call does not wait for the record), the container to remember once the
+    runtime named it (``memo``), the decision and the parsed request (as sent).
 
     `enabled=False` (cgroup v1, or policy off) forwards everything untouched; the
     reason is logged once."""
+
+    held_methods = frozenset({CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES})
 
     def __init__(
         self,
@@ -123,114 +103,98 @@ class ContainerMemoryQoS:
         self.disabled_reason = disabled_reason
         self._warned = False
         self.containers: dict[str, KnownContainer] = {}
-        # original request bytes -> [(audit record, KnownContainer without id)], until finished;
-        # the record of a decision is built in finished() (a callable until then): the relay runs
-        # finished() after the kubelet has its answer, so the call does not wait for the record
-        self._pending: dict[bytes, list[tuple[dict | Callable[[], dict], KnownContainer | None]]] = {}
-        self._lock = threading.Lock()
 
     # -- CallHooks ---------------------------------------------------------------
-    def rewrite(self, method: str, request: bytes) -> bytes:
+    def rewrite(self, call: RpcCall) -> bytes:
+        request = call.request
         if not self.enabled:
             if not self._warned:
                 self._warned = True
                 log.warning("memory QoS injection is off: %s; CRI calls pass through", self.disabled_reason)
             return request
-        memo: KnownContainer | None = None
+        method = call.method
         try:
             if method == CREATE_CONTAINER:
-                forwarded, record, memo = self._create(request)
-            elif method == UPDATE_CONTAINER_RESOURCES:
-                forwarded, record = self._update(request)
-            else:
-                return request
+                return self._create(call)
+            if method == UPDATE_CONTAINER_RESOURCES:
+                return self._update(call)
+            return request
         except Exception as e:  # fail open: the kubelet's bytes go upstream unchanged
             log.exception("policy error on %s; forwarding the request unchanged", method)
-            forwarded = request
-            record = {
+            call.audit = {
                 "event": "fail-open",
                 "method": method.rsplit("/", 1)[-1],
                 "error": f"{e.__class__.__name__}: {e}"[:500],
             }
-        with self._lock:
-            if len(self._pending) >= MAX_PENDING:  # finished() never came: do not grow forever
-                self._pending.clear()
-            self._pending.setdefault(request, []).append((record, memo))
-        return forwarded
+            return request
 
     def not_rewritten(self, method: str, reason: str) -> None:
         """The transport forwarded a rewritable call without asking rewrite(): audit the fail-open."""
         self._emit({"event": "fail-open", "method": method.rsplit("/", 1)[-1], "error": reason[:500]})
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         method = call.method
         if method == CREATE_CONTAINER or method == UPDATE_CONTAINER_RESOURCES:
-            with self._lock:
-                entries = self._pending.get(call.request)
-                entry = entries.pop(0) if entries else None
-                if entries == []:
-                    del self._pending[call.request]
-            if entry is None:
+            record = call.audit
+            if record is None:
                 return
-            record, memo = entry
             if callable(record):
                 record = record()
             record["code"] = call.code
             if call.code != "OK":
                 record["details"] = call.details[:500]
             if method == CREATE_CONTAINER and call.code == "OK" and call.responses:
-                try:
-                    cid = pb.CreateContainerResponse.FromString(call.responses[0]).container_id
-                except Exception:
-                    cid = ""
+                cid = created_container_id(call.responses[0])
                 if cid:
                     record["container_id"] = cid
-                    if memo is not None:
-                        self.containers[cid] = memo
+                    if call.memo is not None:
+                        self.containers[cid] = call.memo
             self._emit(record)
-        elif method == REMOVE_CONTAINER and call.code == "OK":
+        elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK":
             try:
-                cid = pb.RemoveContainerRequest.FromString(call.request).container_id
+                event = call_event(call)
             except Exception:
                 return
-            self.containers.pop(cid, None)
-        elif method == REMOVE_POD_SANDBOX and call.code == "OK":
-            try:
-                sid = pb.RemovePodSandboxRequest.FromString(call.request).pod_sandbox_id
-            except Exception:
-                return
-            for cid in [c for c, k in self.containers.items() if k.sandbox_id == sid]:
-                self.containers.pop(cid, None)
+            if isinstance(event, ContainerRemoved):
+                self.containers.pop(event.container_id, None)
+            elif isinstance(event, PodSandboxRemoved):
+                for cid in [c for c, k in self.containers.items() if k.sandbox_id == event.sandbox_id]:
+                    self.containers.pop(cid, None)
 
     # -- the two methods ---------------------------------------------------------
-    def _create(self, request: bytes) -> tuple[bytes, dict, KnownContainer | None]:
+    def _create(self, call: RpcCall) -> bytes:
+        request = call.request
         msg = pb.CreateContainerRequest.FromString(request)
-        pod = _pod_facts(msg.sandbox_config)
+        pod = pod_facts(msg.sandbox_config)
         config = msg.config
         name = config.metadata.name
         sandbox_id = msg.pod_sandbox_id
         if not config.HasField("linux") or not config.linux.HasField("resources"):
-            record = {**_create_base(pod, name, sandbox_id), "event": "unchanged",
-                      "reason": "no linux resources in the request"}
-            return request, record, None
+            call.audit = {**_create_base(pod, name, sandbox_id), "event": "unchanged",
+                          "reason": "no linux resources in the request"}
+            call.parsed = msg
+            return request
         resources = config.linux.resources
-        decision = decide(pod, _container_facts(name, resources), self.node, self.policy,
+        decision = decide(pod, container_facts(name, resources), self.node, self.policy,
                           kubelet_owns=self.kubelet_keys)
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request)
         lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               pod.cgroup_parent)
+        out = request
         if decision.changed:
             _apply(resources, decision)
-        elif config.annotations.get(CONTAINER_ANNOTATION) == note:
-            return request, lazy, memo
-        config.annotations[CONTAINER_ANNOTATION] = note
-        return msg.SerializeToString(), lazy, memo
+        if decision.changed or config.annotations.get(CONTAINER_ANNOTATION) != note:
+            config.annotations[CONTAINER_ANNOTATION] = note
+            out = msg.SerializeToString()
+        call.audit, call.memo, call.decision, call.parsed = lazy, memo, decision, msg
+        return out
 
     def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, **extra: Any) -> dict:
         return {**base(*args), **self._describe(decision), **extra}
 
-    def _update(self, request: bytes) -> tuple[bytes, dict]:
+    def _update(self, call: RpcCall) -> bytes:
+        request = call.request
         msg = pb.UpdateContainerResourcesRequest.FromString(request)
         known = self.containers.get(msg.container_id)
         base: dict[str, Any] = {"method": "UpdateContainerResources", "container_id": msg.container_id}
@@ -239,9 +203,11 @@ class ContainerMemoryQoS:
         else:
             base.update(pod="", pod_uid="", container="")
         if not msg.HasField("linux"):
-            return request, {**base, "event": "unchanged", "reason": "no linux resources in the request"}
+            call.audit = {**base, "event": "unchanged", "reason": "no linux resources in the request"}
+            call.parsed = msg
+            return request
         resources = msg.linux
-        facts = _container_facts(known.name if known else "", resources)
+        facts = container_facts(known.name if known else "", resources)
         request_override = None
         if known is not None:
             pod = known.pod
@@ -262,10 +228,12 @@ class ContainerMemoryQoS:
                           kubelet_owns=self.kubelet_keys)
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
         record = partial(self._decision_record, dict, (base,), decision, **extra)
-        if not decision.changed:
-            return request, record
-        _apply(resources, decision)
-        return msg.SerializeToString(), record
+        out = request
+        if decision.changed:
+            _apply(resources, decision)
+            out = msg.SerializeToString()
+        call.audit, call.decision, call.parsed = record, decision, msg
+        return out
 
     def _describe(self, d: Decision) -> dict:
         return {

@@ -1,4 +1,5 @@
-"""The CRI runtime.v1 method table, read once from the generated descriptor."""
+"""The CRI runtime.v1 method table, read once from the generated descriptor, and the paths of
+the methods the shim names: the one place a CRI method path is spelled."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,3 +38,26 @@ def _load() -> tuple[CriMethod, ...]:
 
 CRI_METHODS: tuple[CriMethod, ...] = _load()
 CRI_METHODS_BY_PATH: dict[str, CriMethod] = {m.path: m for m in CRI_METHODS}
+
+# -- the paths the shim itself names (everything else is only forwarded) ----------------------
+RUNTIME_SERVICE = "/runtime.v1.RuntimeService/"
+IMAGE_SERVICE = "/runtime.v1.ImageService/"
+
+
+def _path(service: str, name: str) -> str:
+    path = service + name
+    assert path in CRI_METHODS_BY_PATH, path
+    return path
+
+
+VERSION = _path(RUNTIME_SERVICE, "Version")
+EXEC_SYNC = _path(RUNTIME_SERVICE, "ExecSync")
+RUN_POD_SANDBOX = _path(RUNTIME_SERVICE, "RunPodSandbox")
+STOP_POD_SANDBOX = _path(RUNTIME_SERVICE, "StopPodSandbox")
+REMOVE_POD_SANDBOX = _path(RUNTIME_SERVICE, "RemovePodSandbox")
+UPDATE_POD_SANDBOX_RESOURCES = _path(RUNTIME_SERVICE, "UpdatePodSandboxResources")
+CREATE_CONTAINER = _path(RUNTIME_SERVICE, "CreateContainer")
+UPDATE_CONTAINER_RESOURCES = _path(RUNTIME_SERVICE, "UpdateContainerResources")
+REMOVE_CONTAINER = _path(RUNTIME_SERVICE, "RemoveContainer")
+CONTAINER_STATUS = _path(RUNTIME_SERVICE, "ContainerStatus")
+PULL_IMAGE = _path(IMAGE_SERVICE, "PullImage")

@@ -71,17 +71,21 @@ class TimedRewriter:
 
     def __init__(self, inner, metrics: "Metrics"):
         self.inner = inner
+        self.held_methods = inner.held_methods
         self._hist = metrics.rewrite_duration
 
-    def rewrite(self, method: str, request: bytes) -> bytes:
+    def rewrite(self, call: FinishedCall) -> bytes:
         t0 = time.perf_counter()
         try:
-            return self.inner.rewrite(method, request)
+            return self.inner.rewrite(call)
         finally:
-            self._hist.labels(method_label(method)).observe(time.perf_counter() - t0)
+            self._hist.labels(method_label(call.method)).observe(time.perf_counter() - t0)
 
     def finished(self, call: FinishedCall) -> None:
         self.inner.finished(call)
+
+    def not_rewritten(self, method: str, reason: str) -> None:
+        self.inner.not_rewritten(method, reason)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -33,7 +33,8 @@ from shim.decision.node import POD, PlacedPod, Reserved, Target, node_targets
 from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
-from shim.node.state import OBSERVED_METHODS, NodeState
+from shim.cri.events import OBSERVED_METHODS, call_event
+from shim.node.state import NodeState
 from shim.node.view import NodeView
 from shim.transport.hooks import FinishedCall
 from shim.worker import Worker
@@ -95,7 +96,8 @@ class _Resync:
 
 
 class ReconcilerObserver:
-    """The HookChain observer: finished() only enqueues (never parses, never blocks)."""
+    """The HookChain observer: finished() only enqueues (never parses, never blocks); the
+    call's event (``shim.cri.events``) is made on the reconciler's thread."""
 
     def __init__(self, q: queue.SimpleQueue):
         self._q = q
@@ -243,7 +245,8 @@ class Reconciler(Worker):
     # -- state
     def _apply(self, call: FinishedCall) -> tuple[bool, str | None]:
         """(state changed, uid of a pod whose containers' states should be asked for)."""
-        return self.state.apply_call(call)
+        event = call_event(call)
+        return (False, None) if event is None else self.state.apply(event)
 
     def _refresh_pod(self, uid: str) -> bool:
         """Ask the runtime for the state of the pod's containers that had not finished when

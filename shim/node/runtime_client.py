@@ -13,19 +13,14 @@ from types import MappingProxyType
 from typing import Any
 
 from shim.cri import pb
+from shim.cri.methods import RUNTIME_SERVICE
 from shim.decision import PodFacts
-from shim.node.state import (
-    ContainerRecord,
-    NodeState,
-    SandboxView,
-    Snapshot,
-    container_request,
-    derive_request,
-)
+from shim.cri.facts import derived_request
+from shim.decision.pod import container_request
+from shim.node.state import ContainerRecord, NodeState, SandboxView, Snapshot
 from shim.transport.unary_client import CallError, UnaryClient
 
 log = logging.getLogger(__name__)
-_RS = "/runtime.v1.RuntimeService/"
 
 
 class RuntimeUnavailable(Exception):
@@ -48,7 +43,7 @@ class RuntimeClient:
 
     def _call(self, name: str, request: Any, response_cls: Any) -> Any:
         try:
-            raw = self._client.call(_RS + name, request.SerializeToString(), self.timeout)
+            raw = self._client.call(RUNTIME_SERVICE + name, request.SerializeToString(), self.timeout)
         except CallError as e:
             raise RuntimeUnavailable(name, e.code, e.details) from None
         try:
@@ -179,7 +174,7 @@ def take_snapshot(client: RuntimeClient, known: NodeState | None, capacity: int,
             b, src, note = kc.request, kc.source, None
         else:
             b, src, note = container_request(res.unified, st.annotations or c.annotations,
-                                             lambda: derive_request(facts, name, res, capacity))
+                                             lambda: derived_request(facts, name, res, capacity))
         st_exited = st.state == pb.CONTAINER_EXITED
         snap.containers.append(ContainerRecord(
             id=c.id, sandbox_id=c.pod_sandbox_id, name=name,

@@ -37,8 +37,7 @@ from typing import Iterable
 import grpc
 
 from shim.evidence.trace import TraceCall
-from shim.transport.hooks import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
-from shim.cri.methods import CRI_METHODS_BY_PATH
+from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS_BY_PATH, UPDATE_CONTAINER_RESOURCES
 
 log = logging.getLogger(__name__)
 

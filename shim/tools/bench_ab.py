@@ -20,9 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shim.cri.methods import CREATE_CONTAINER, VERSION
 from shim.tools.bench.load import Client
 from shim.tools.bench.processes import Processes
-from shim.tools.bench.workload import CREATE_CONTAINER, DEFAULT_TRACE, QUICK, REPO, VERSION, padded, pct, prepare
+from shim.tools.bench.workload import DEFAULT_TRACE, QUICK, REPO, padded, pct, prepare
 
 MiB = 1 << 20
 

@@ -276,6 +276,7 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
                        transport: str = "relay") -> ReplayResult:
     from shim.app.service import build_container_qos, build_request_hooks
+    from shim.cri.methods import CRI_METHODS
     from shim.testing.trace_runtime import TraceRuntime
 
     if transport == "relay":
@@ -300,7 +301,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
     proxy = None
     try:
         await runtime.start(os.path.join(workdir, "runtime.sock"))
-        proxy = Proxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks)
+        proxy = Proxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
         await proxy.start()
 
         def before(call: TraceCall) -> None:

@@ -1,89 +1,139 @@
 """The contract between the transport and the rest of the shim.
 
-The transport knows nothing about memory QoS. It forwards every call as raw
-bytes and calls two hooks:
+The transport knows nothing about memory QoS, nor which methods matter: it forwards every call
+as raw bytes, holds the methods its hooks declare (``held_methods``), and hands each call to
+the hooks as one ``RpcCall`` object:
 
-* ``rewrite(method, request)`` -- only for the methods in ``REWRITTEN_METHODS``,
-  before forwarding. It returns the bytes to send upstream (the same object
-  when nothing changes). It runs on the event loop, so it must be quick and
-  must not block; the transport forwards the original bytes if it raises.
+* ``rewrite(call)`` -- only for the methods in ``held_methods``, before forwarding; ``call``
+  carries the method, the request metadata the transport has, the request bytes and the start
+  time. It returns the bytes to send upstream (the same object when nothing changes) and may
+  leave what it parsed and decided on the call (``parsed``, ``decision``, ``audit``, ``memo``)
+  for ``finished``: the same object comes back there. It runs on the event loop, so it must be
+  quick and must not block; the transport forwards the original bytes if it raises.
 * ``finished(call)`` -- once per call, after the upstream answered, and before the
   transport handles the kubelet's next call: the grpc transport calls it before the
   answer goes back, the relay right after writing the answer, in the same event-loop
   callback (off the call's latency). Must not block (enqueue, dict update).
   Consumers: the audit/record writer, the reconciler's node state, the memory
   of containers that UpdateContainerResources needs.
-* ``not_rewritten(method, reason)`` -- optional: a transport that could not hand a
-  rewritable call to ``rewrite`` (e.g. the relay's hold cap, a compressed message)
-  says so, so that the fail-open is audited like any other. Must not block.
+* ``not_rewritten(method, reason)`` -- a transport that could not hand a held call to
+  ``rewrite`` (e.g. the relay's hold cap, a compressed message) says so, so that the
+  fail-open is audited like any other. Must not block.
+
+Which methods exist and whether each is unary or streaming is not the transport's either: the
+wiring passes the method table (``MethodShape`` rows, ``shim.cri.methods.CRI_METHODS``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
-
-CREATE_CONTAINER = "/runtime.v1.RuntimeService/CreateContainer"
-UPDATE_CONTAINER_RESOURCES = "/runtime.v1.RuntimeService/UpdateContainerResources"
-REWRITTEN_METHODS = frozenset({CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES})
+from typing import Any, Callable, Iterable, Protocol
 
 
-@dataclass
-class FinishedCall:
-    """One finished RPC, shaped like a line of the trace format."""
+class MethodShape(Protocol):
+    """One row of the method table a transport is given."""
+
+    path: str  # "/runtime.v1.RuntimeService/Version", exactly as on the wire
+    service: str
+    name: str
+    client_streaming: bool
+    server_streaming: bool
+
+
+@dataclass(slots=True)
+class RpcCall:
+    """One RPC through the proxy: created by the transport when it starts (held calls) or
+    ends, given to ``rewrite`` and, completed, to ``finished``; shaped like a line of the trace
+    format. The hook fields at the end belong to the rewrite hook: the transport never reads
+    them."""
 
     method: str
     start: float  # time.time() when the call arrived
-    duration_ms: float
-    request: bytes  # as the client sent it
-    forwarded: bytes | None  # what went upstream, when it differs from request
+    duration_ms: float = 0.0
+    request: bytes = b""  # as the client sent it
+    forwarded: bytes | None = None  # what went upstream, when it differs from request
     responses: list[bytes] = field(default_factory=list)  # [] when the call failed
     code: str = "OK"  # grpc.StatusCode name
     details: str = ""
     # True when a server stream sent more than the transport keeps (responses holds the first ones)
     truncated: bool = False
+    metadata: tuple = ()  # the request's metadata as the transport has it (may be empty)
+    # -- left by the rewrite hook for finished
+    parsed: Any = None  # the request message it parsed; as SENT when it rewrote it in place
+    decision: Any = None  # what it decided
+    audit: Any = None  # its audit record (or a callable that builds it), emitted in finished
+    memo: Any = None  # what it remembers once the call succeeded
+
+    def complete(self, duration_ms: float, forwarded: bytes | None, responses: list[bytes], code: str,
+                 details: str, truncated: bool = False) -> "RpcCall":
+        """The call as it ended (the transport's side of the fields)."""
+        self.duration_ms, self.forwarded, self.responses = duration_ms, forwarded, responses
+        self.code, self.details, self.truncated = code, details, truncated
+        return self
+
+
+FinishedCall = RpcCall  # the name the finished hook's consumers know it by
 
 
 class CallHooks(Protocol):
-    def rewrite(self, method: str, request: bytes) -> bytes: ...
+    held_methods: frozenset[str]  # the methods held for rewrite(); every other one passes through
 
-    def finished(self, call: FinishedCall) -> None: ...
+    def rewrite(self, call: RpcCall) -> bytes: ...
+
+    def finished(self, call: RpcCall) -> None: ...
+
+    def not_rewritten(self, method: str, reason: str) -> None: ...
 
 
 class PassthroughHooks:
     """Hooks that change nothing and observe nothing."""
 
-    def rewrite(self, method: str, request: bytes) -> bytes:
-        return request
+    held_methods: frozenset[str] = frozenset()
 
-    def finished(self, call: FinishedCall) -> None:
+    def rewrite(self, call: RpcCall) -> bytes:
+        return call.request
+
+    def finished(self, call: RpcCall) -> None:
         return None
 
     def not_rewritten(self, method: str, reason: str) -> None:
         return None
 
 
+def unary_shapes(methods: Iterable[MethodShape]) -> dict[str, tuple[bool, bool]]:
+    """path -> (unary request?, unary response?) of a method table."""
+    return {m.path: (not m.client_streaming, not m.server_streaming) for m in methods}
+
+
 # -- how a transport calls the hooks: failures never reach the call ------------------
 OnHookError = Callable[..., None]  # (method) inside an except block, or (method, problem)
 
 
-def guarded_rewrite(hooks: CallHooks, method: str, request: bytes, on_error: OnHookError) -> bytes:
+def guarded_rewrite(hooks: CallHooks, call: RpcCall, on_error: OnHookError) -> bytes:
     """What goes upstream: the hook's bytes, or the original ones if the hook raises or
     answers something that is not bytes (fail open)."""
+    request = call.request
     try:
-        out = hooks.rewrite(method, request)
+        out = hooks.rewrite(call)
     except Exception:
-        on_error(method)
+        on_error(call.method)
         return request
     if type(out) is bytes:
         return out
     if isinstance(out, (bytearray, memoryview)):
         return bytes(out)
-    on_error(method, f"returned {type(out).__name__}, not bytes; forwarding the original")
+    on_error(call.method, f"returned {type(out).__name__}, not bytes; forwarding the original")
     return request
 
 
-def guarded_finished(hooks: CallHooks, call: FinishedCall, on_error: OnHookError) -> None:
+def guarded_finished(hooks: CallHooks, call: RpcCall, on_error: OnHookError) -> None:
     try:
         hooks.finished(call)
     except Exception:
         on_error(call.method)
+
+
+def guarded_not_rewritten(hooks: CallHooks, method: str, reason: str, on_error: OnHookError) -> None:
+    try:
+        hooks.not_rewritten(method, reason)
+    except Exception:
+        on_error(method)

@@ -2,7 +2,8 @@
 
 Every call is relayed as raw bytes (identity serializers, nothing is parsed here):
 
-* the 43 runtime.v1 methods are registered once at start, unary ones as unary-unary relays,
+* the methods of the table it is given (the 43 runtime.v1 methods, ``shim.cri.methods``) are
+  registered once at start, unary ones as unary-unary relays,
   server-streaming ones (GetContainerEvents, Stream*) as unary-stream relays that forward each
   message as it arrives;
 * any other method or service (``/runtime.v1alpha2.RuntimeService/Version``,
@@ -28,8 +29,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, grpc_target, socket_path
-from shim.transport.hooks import REWRITTEN_METHODS, CallHooks, FinishedCall, guarded_finished, guarded_rewrite
-from shim.cri.methods import CRI_METHODS
+from shim.transport.hooks import CallHooks, MethodShape, RpcCall, guarded_finished, guarded_rewrite
 from shim.transport.unixsock import (
     ThrottledLog,
     check_replaceable,
@@ -123,6 +123,7 @@ class CriProxy:
         upstream: str,
         hooks: CallHooks,
         *,
+        methods: Iterable[MethodShape],
         socket_mode: int = 0o600,
         socket_group: str | int | None = None,
         max_message_bytes: int = 128 * 1024 * 1024,
@@ -138,6 +139,8 @@ class CriProxy:
             raise ValueError(f"max_message_bytes must be a positive int, not {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.hooks = hooks
+        self.methods = tuple(methods)
+        self.held_methods = frozenset(hooks.held_methods)
         self.stream_record_max_messages = STREAM_RECORD_MAX_MESSAGES
         self.stream_record_max_bytes = STREAM_RECORD_MAX_BYTES
 
@@ -164,7 +167,7 @@ class CriProxy:
         server = grpc.aio.server(options=size_options)
         try:
             by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-            for m in CRI_METHODS:
+            for m in self.methods:
                 by_service.setdefault(m.service, {})[m.name] = self._method_handler(channel, m)
             for service, handlers in by_service.items():
                 server.add_registered_method_handlers(service, handlers)
@@ -257,14 +260,14 @@ class CriProxy:
             return grpc.unary_stream_rpc_method_handler(self._stream_relay(m.path, upstream))
         upstream = channel.unary_unary(m.path, _registered_method=True)
         return grpc.unary_unary_rpc_method_handler(
-            self._unary_relay(m.path, upstream, m.path in REWRITTEN_METHODS)
+            self._unary_relay(m.path, upstream, m.path in self.held_methods)
         )
 
-    def _rewritten(self, method: str, request: bytes) -> bytes:
+    def _rewritten(self, call: RpcCall) -> bytes:
         """What goes upstream: the hook's bytes, or the original ones if the hook fails."""
-        return guarded_rewrite(self.hooks, method, request, self._rewrite_failed)
+        return guarded_rewrite(self.hooks, call, self._rewrite_failed)
 
-    def _finished(self, call: FinishedCall) -> None:
+    def _finished(self, call: RpcCall) -> None:
         guarded_finished(self.hooks, call, self._finished_failed)
 
     @staticmethod
@@ -290,17 +293,28 @@ class CriProxy:
             t0 = time.perf_counter()
             forwarded = None
             out = request
+            held = None
+            metadata = context.invocation_metadata()
             if rewrite:
-                out = rewritten(method, request)
+                held = RpcCall(method, start, request=request, metadata=tuple(metadata or ()))
+                out = rewritten(held)
                 if out is not request and out != request:
                     forwarded = out
                 else:
                     out = request
+
+            def ended(responses: list[bytes], code: str, details: str) -> None:
+                duration_ms = (time.perf_counter() - t0) * 1000.0
+                if held is None:
+                    finished(RpcCall(method, start, duration_ms, request, forwarded, responses, code, details))
+                else:
+                    finished(held.complete(duration_ms, forwarded, responses, code, details))
+
             timeout = context.time_remaining()
             call = upstream(
                 out,
                 timeout=_upstream_timeout(timeout),
-                metadata=_request_metadata(context.invocation_metadata()),
+                metadata=_request_metadata(metadata),
             )
             try:
                 response = await call
@@ -311,34 +325,22 @@ class CriProxy:
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 details = e.details() or ""
-                finished(
-                    FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
-                                 forwarded, [], code.name, details)
-                )
+                ended([], code.name, details)
                 initial = _response_metadata(e.initial_metadata())
                 if initial:
                     await context.send_initial_metadata(initial)
                 await context.abort(code, details, _response_metadata(e.trailing_metadata()))
             except asyncio.CancelledError:
                 call.cancel()
-                finished(
-                    FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
-                                 forwarded, [], self._ended_code(context, timeout), "")
-                )
+                ended([], self._ended_code(context, timeout), "")
                 raise
             except Exception as e:  # a bug here, or grpc misbehaving: the client gets UNKNOWN
                 call.cancel()
-                finished(
-                    FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
-                                 forwarded, [], "UNKNOWN", f"proxy error: {e!r}")
-                )
+                ended([], "UNKNOWN", f"proxy error: {e!r}")
                 raise
             if trailing:
                 context.set_trailing_metadata(trailing)
-            finished(
-                FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, request,
-                             forwarded, [response], "OK", "")
-            )
+            ended([response], "OK", "")
             return response
 
         return relay
@@ -395,7 +397,7 @@ class CriProxy:
         def record(code: str, details: str, responses: list[bytes], truncated: bool) -> None:
             req = request if type(request) is bytes else b"".join(request)
             self._finished(
-                FinishedCall(method, start, (time.perf_counter() - t0) * 1000.0, req, None,
+                RpcCall(method, start, (time.perf_counter() - t0) * 1000.0, req, None,
                              responses, code, details, truncated)
             )
 

@@ -8,7 +8,8 @@ import statistics
 import time
 from typing import Any, Callable
 
-from shim.tools.bench.workload import CLIENT_MAX, PULL_IMAGE, VERSION, Sizes
+from shim.cri.methods import PULL_IMAGE, VERSION
+from shim.tools.bench.workload import CLIENT_MAX, Sizes
 
 
 class Client:

@@ -12,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shim.tools.bench.workload import EXEC_MAGIC, REPO, SLOW_DELAY, VERSION
+from shim.cri.methods import VERSION
+from shim.tools.bench.workload import EXEC_MAGIC, REPO, SLOW_DELAY
 
 
 def run_upstream(listen: str) -> int:

@@ -9,11 +9,9 @@ from typing import Callable
 
 from shim.tools.bench.load import Client, load_calls, quick_under_slow, replay_calls, throughput
 from shim.tools.bench.processes import Processes, proc_cpu_s, proc_rss_mib
+from shim.cri.methods import CREATE_CONTAINER, EXEC_SYNC, VERSION
 from shim.tools.bench.workload import (
-    CREATE_CONTAINER,
-    EXEC_SYNC,
     REPLAY_SLICE_SECONDS,
-    VERSION,
     MiB,
     Sizes,
     exec_request,
@@ -150,7 +148,7 @@ def hook_cost(template, n: int) -> float:
     from shim.decision import Policy
     from shim.node.facts import load_kubelet_config, node_facts
     from shim.app.service import build_container_qos, build_request_hooks
-    from shim.transport.hooks import CREATE_CONTAINER as METHOD
+    from shim.transport.hooks import RpcCall
 
     node = node_facts(16 * 1024 * MiB, load_kubelet_config(None), page_size=4096, allocatable=None, factor="auto")
     hooks = build_request_hooks(build_container_qos(node, Policy.REQUEST, lambda record: None))
@@ -160,7 +158,7 @@ def hook_cost(template, n: int) -> float:
         requests.append(template.SerializeToString())
     t0 = time.perf_counter()
     for r in requests:
-        hooks.rewrite(METHOD, r)
+        hooks.rewrite(RpcCall(CREATE_CONTAINER, 0.0, request=r))
     return (time.perf_counter() - t0) / n * 1e6
 
 

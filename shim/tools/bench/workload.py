@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shim.cri.methods import CREATE_CONTAINER
 from shim.evidence.trace import open_text
 from shim.testing.traces import MEMQOS_OFF, TRACES_DIR
 
@@ -15,12 +16,6 @@ from shim.testing.traces import MEMQOS_OFF, TRACES_DIR
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_TRACE = TRACES_DIR / f"{MEMQOS_OFF}.jsonl.xz"
 
-RS = "/runtime.v1.RuntimeService/"
-IS = "/runtime.v1.ImageService/"
-VERSION = RS + "Version"
-EXEC_SYNC = RS + "ExecSync"
-CREATE_CONTAINER = RS + "CreateContainer"
-PULL_IMAGE = IS + "PullImage"
 MiB = 1024 * 1024
 CLIENT_MAX = 64 * MiB
 SLOW_DELAY = 2.0  # seconds the runtime holds every PullImage

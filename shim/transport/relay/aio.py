@@ -14,10 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Iterable
 
 from shim.transport.endpoints import socket_path
-from shim.transport.hooks import CallHooks, FinishedCall, guarded_finished, guarded_rewrite
-from shim.transport.relay.calls import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
+
+from shim.transport.hooks import (
+    CallHooks,
+    MethodShape,
+    RpcCall,
+    guarded_finished,
+    guarded_not_rewritten,
+    guarded_rewrite,
+    unary_shapes,
+)
+from shim.transport.relay.calls import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES, request_reader
 from shim.transport.relay.connection import Connection
 from shim.transport.unixsock import ThrottledLog, bind_private, check_socket_mode, remove_if_ours, resolve_gid
 
@@ -206,7 +216,8 @@ def _resume(transport) -> None:
 
 class RelayProxy:
     """Serve the CRI on ``listen`` and relay every connection to ``upstream`` (same interface
-    as ``shim.transport.proxy.CriProxy``)."""
+    as ``shim.transport.proxy.CriProxy``). ``methods``: the method table (which methods are
+    unary); the methods held for the rewrite are the hooks' ``held_methods``."""
 
     def __init__(
         self,
@@ -214,6 +225,7 @@ class RelayProxy:
         upstream: str,
         hooks: CallHooks,
         *,
+        methods: Iterable[MethodShape],
         socket_mode: int = 0o600,
         socket_group: str | int | None = None,
         max_message_bytes: int = 128 * 1024 * 1024,
@@ -234,6 +246,8 @@ class RelayProxy:
         self.hold_max_bytes = hold_max_bytes
         self.hold_total_bytes = hold_total_bytes
         self.hooks = hooks
+        self.held_methods = frozenset(hooks.held_methods)
+        self.request_info = request_reader(unary_shapes(methods))
         self.stream_record_max_messages = STREAM_RECORD_MAX_MESSAGES
         self.stream_record_max_bytes = STREAM_RECORD_MAX_BYTES
         self.connections: set[_ClientSide] = set()
@@ -252,11 +266,11 @@ class RelayProxy:
 
     # ----------------------------------------------------------------- hooks
 
-    def rewritten(self, method: str, request: bytes) -> bytes:
+    def rewritten(self, call: RpcCall) -> bytes:
         """What goes upstream: the hook's bytes, or the original ones if the hook fails."""
-        return guarded_rewrite(self.hooks, method, request, self._rewrite_failed)
+        return guarded_rewrite(self.hooks, call, self._rewrite_failed)
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         guarded_finished(self.hooks, call, self._finished_failed)
 
     def trim_soon(self) -> None:
@@ -273,12 +287,7 @@ class RelayProxy:
         reason = why or (f"a {size}-byte message is above the hold cap ({self.hold_max_bytes} "
                          f"bytes each, {self.hold_total_bytes} bytes at once)")
         self._skipped(method, reason)
-        tell = getattr(self.hooks, "not_rewritten", None)
-        if tell is not None:
-            try:
-                tell(method, f"transport: {reason}")
-            except Exception:
-                self._finished_failed(method)
+        guarded_not_rewritten(self.hooks, method, f"transport: {reason}", self._finished_failed)
 
     def upstream_down(self, details: str) -> None:
         self._down("a new kubelet connection", details)

@@ -1,9 +1,10 @@
 """One call (one HTTP/2 stream) as the relay follows it: what its request headers say, the
-messages of both directions, the held request, and the ``FinishedCall`` it ends as."""
+messages of both directions, the held request, and the ``RpcCall`` the hooks get."""
 from __future__ import annotations
 
-from shim.transport.hooks import REWRITTEN_METHODS, FinishedCall
-from shim.cri.methods import CRI_METHODS_BY_PATH
+from typing import Callable
+
+from shim.transport.hooks import RpcCall
 from shim.transport.wire.grpc import Messages, decompress, header_values, timeout_seconds
 
 # What FinishedCall keeps of one server stream (as the grpcio transport); the client always
@@ -15,32 +16,45 @@ STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
 _REQUEST = {b":path": 0, b"grpc-timeout": 1, b"grpc-encoding": 2}
 
 
-def request_info(headers: list[tuple[bytes, bytes]]) -> tuple:
-    """(method, timeout seconds, grpc-encoding, unary request?, unary response?) of a request."""
-    path, timeout, encoding = header_values(headers, _REQUEST)
-    method = (path or b"").decode("utf-8", "replace")
-    m = CRI_METHODS_BY_PATH.get(method)
-    return (method, None if timeout is None else timeout_seconds(timeout), encoding or b"",
-            m is not None and not m.client_streaming, m is not None and not m.server_streaming)
+def request_reader(shapes: dict[str, tuple[bool, bool]]) -> Callable[[list], tuple]:
+    """The relay's reading of request headers, given the method table (path -> (unary
+    request?, unary response?)): (method, timeout seconds, grpc-encoding, unary request?,
+    unary response?, the header list) of a request. A method not in the table is a stream
+    both ways."""
+    not_known = (False, False)
+
+    def request_info(headers: list[tuple[bytes, bytes]]) -> tuple:
+        path, timeout, encoding = header_values(headers, _REQUEST)
+        method = (path or b"").decode("utf-8", "replace")
+        unary_req, unary_resp = shapes.get(method, not_known)
+        return (method, None if timeout is None else timeout_seconds(timeout), encoding or b"",
+                unary_req, unary_resp, headers)
+
+    return request_info
 
 
 class Call:
-    """A stream the client opened. ``hold`` is the held request's bytes (the rewritten methods,
-    until END_STREAM or fail-open), None otherwise."""
+    """A stream the client opened. ``hold`` is the held request's bytes (the methods the hooks
+    hold, until END_STREAM or fail-open), None otherwise; ``rpc`` the ``RpcCall`` of a held
+    call (made when it starts: ``rewrite`` and ``finished`` get the same one)."""
 
     __slots__ = ("sid", "method", "start", "t0", "timeout", "held", "hold", "req", "resp", "forwarded",
-                 "resp_headers", "http_status", "req_encoding", "resp_encoding", "request", "done")
+                 "resp_headers", "http_status", "req_encoding", "resp_encoding", "request", "done", "rpc")
 
     def __init__(self, sid: int, info: tuple, limits, start: float, t0: float) -> None:
-        method, timeout, encoding, unary_req, unary_resp = info
+        method, timeout, encoding, unary_req, unary_resp, headers = info
         limit = limits.max_message_bytes
         self.sid = sid
         self.method = method
         self.start = start  # wall clock, for FinishedCall
         self.t0 = t0  # the connection's clock
         self.timeout = timeout
-        self.held = method in REWRITTEN_METHODS
-        self.hold: bytearray | None = bytearray() if self.held else None
+        self.held = method in limits.held_methods
+        self.hold: bytearray | None = None
+        self.rpc: RpcCall | None = None
+        if self.held:
+            self.hold = bytearray()
+            self.rpc = RpcCall(method, start, metadata=tuple(headers))
         if unary_req:
             self.req = Messages(1 << 30, limit, limit)
         else:
@@ -57,7 +71,7 @@ class Call:
         self.request: bytes | None = None  # set for held calls (the message the hook saw)
         self.done = False
 
-    def finished(self, code: str, details: str, now: float) -> FinishedCall:
+    def finished(self, code: str, details: str, now: float) -> RpcCall:
         """What ``CallHooks.finished`` gets for this call, ended with ``code`` at ``now``."""
         request = self.request
         if request is None:
@@ -70,8 +84,13 @@ class Call:
             responses = self.resp.msgs
             if self.resp.compressed and self.resp_encoding:
                 responses = [decompress(self.resp_encoding, r) or r for r in responses]
-        return FinishedCall(self.method, self.start, (now - self.t0) * 1000.0, request, self.forwarded,
-                            responses, code, details, self.resp.truncated and code == "OK")
+        truncated = self.resp.truncated and code == "OK"
+        rpc = self.rpc
+        if rpc is None:
+            return RpcCall(self.method, self.start, (now - self.t0) * 1000.0, request, self.forwarded,
+                           responses, code, details, truncated)
+        rpc.request = request
+        return rpc.complete((now - self.t0) * 1000.0, self.forwarded, responses, code, details, truncated)
 
     def ended_code(self, now: float) -> str:
         """A call the client reset: its deadline, or the client cancelled (as CriProxy)."""

@@ -11,7 +11,6 @@ dropped, DATA the windows cannot take yet queued, the rest forwarded in order.
 from __future__ import annotations
 
 from shim.transport.wire.hpack import HpackError
-from shim.transport.relay.calls import request_info
 from shim.transport.relay.writes import send
 from shim.transport.wire.h2 import (
     ACK,
@@ -73,7 +72,7 @@ class ClientToServer:
             elif ftype == HEADERS:
                 try:
                     info = self.cdec.info(data[fpos + 9:end] if flags & TRIMMED == END_HEADERS
-                                          else header_block(data, ftype, flags, fpos, end), request_info)
+                                          else header_block(data, ftype, flags, fpos, end), self.relay.request_info)
                 except HpackError as e:
                     raise ProtocolError(f"request headers: {e}") from None
                 if sid > self.last_client_sid:  # else trailers (gRPC clients send none)

@@ -7,10 +7,12 @@ tests give buffers (``Buffer``). It does no other I/O and reads no clock of its 
 and ``wall`` are passed in); what happens to a call is told to its ``owner`` (``RelayProxy``
 in the shim; these calls are the connection's events):
 
-* ``owner.rewritten(method, request) -> bytes``: the hook's rewrite of a held request;
-* ``owner.finished(FinishedCall)``: a call ended (after the chunk that ended it was written);
+* ``owner.rewritten(RpcCall) -> bytes``: the hook's rewrite of a held request;
+* ``owner.finished(RpcCall)``: a call ended (after the chunk that ended it was written);
 * ``owner.hold_skipped(method, size, why)``: a held request goes upstream unchanged (fail-open);
 * ``owner.trim_soon()``: a large call ended (give freed heap memory back);
+* ``owner.held_methods`` (the methods held for the rewrite) and ``owner.request_info`` (what
+  a request's headers say, from the method table: ``calls.request_reader``);
 * the limits ``max_message_bytes``, ``hold_max_bytes``, ``hold_total_bytes``,
   ``stream_record_max_messages``, ``stream_record_max_bytes`` and the relay-wide budget of
   held bytes ``held_total`` (shared by all of the owner's connections).

@@ -1,5 +1,5 @@
-"""Held requests: the part of ``Connection`` that rewrites CreateContainer and
-UpdateContainerResources.
+"""Held requests: the part of ``Connection`` that rewrites the methods the hooks hold
+(``CallHooks.held_methods``: CreateContainer and UpdateContainerResources in the shim).
 
 Their HEADERS go upstream at once (the runtime's deadline starts when the kubelet's did); their
 DATA is kept (``Call.hold``) and given back to the client (connection and stream
@@ -83,7 +83,9 @@ class Holding:
                 body = decompress(call.req_encoding, body)
             if body is not None:
                 request = body
-                new = relay.rewritten(call.method, body)
+                rpc = call.rpc
+                rpc.request = body
+                new = relay.rewritten(rpc)
                 if new is not body and new != body:
                     call.forwarded = new
                     out = message(new)

@@ -8,7 +8,6 @@ answered -- so the kubelet's next call opens a new connection and tries the runt
 from __future__ import annotations
 
 from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, HpackError, literal
-from shim.transport.relay.calls import request_info
 from shim.transport.wire.grpc import percent_encode
 from shim.transport.wire.h2 import (
     ACK,
@@ -44,7 +43,7 @@ class Refusing:
                 out.append(frame(PING, ACK, 0, data[fpos + 9:end]))
             elif ftype == HEADERS:
                 try:
-                    info = self.cdec.info(header_block(data, ftype, flags, fpos, end), request_info)
+                    info = self.cdec.info(header_block(data, ftype, flags, fpos, end), self.relay.request_info)
                 except HpackError as e:
                     raise ProtocolError(str(e)) from None
                 if sid > self.last_client_sid:
