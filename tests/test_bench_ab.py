@@ -1,5 +1,5 @@
 """scripts/bench-ab runs end to end (no timing is asserted: numbers are for people, on a quiet
-machine): two versions served side by side, the table's four rows, worktrees removed after."""
+machine): two versions served side by side, the table's five rows, worktrees removed after."""
 from __future__ import annotations
 
 import subprocess
@@ -23,7 +23,7 @@ def test_bench_ab_runs_both_versions_and_cleans_up():
     result = bench_ab.run("HEAD", "WORKTREE", blocks=1, calls=5)
     assert result["A"] == "HEAD" and result["B"] == "WORKTREE"
     for t in ("A", "B"):
-        assert set(result["median"][t]) == {"small", "create", "passthrough", "rewrite_extra"}
+        assert set(result["median"][t]) == {"small", "reply200k", "create", "passthrough", "rewrite_extra"}
         assert len(result["blocks_us"][t]["create"]) == 1
         m = result["median"][t]
         assert m["rewrite_extra"] == m["create"] - m["passthrough"]

@@ -4,8 +4,8 @@ Each git ref is checked out into a temporary worktree and served by its own ``me
 serve --transport relay`` process in front of one shared fake runtime (``shim.tools.bench
 upstream``); the client alternates every call between direct, A and B, so the machine's drift
 hits all three alike. Reported per block, then as medians over the blocks, added over direct:
-small call p50, a CreateContainer that is rewritten, a passthrough call of the same size, and
-the rewrite's extra cost (the difference of the last two). This is how a change to the
+small call p50, a 200 KB answer (ExecSync), a CreateContainer that is rewritten, a passthrough
+call of the same size, and the rewrite's extra cost (the difference of the last two). This is how a change to the
 rewrite path is judged on a noisy machine: its effect is often smaller than the spread
 between two ``scripts/bench`` runs.
 """
@@ -20,10 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shim.cri.methods import CREATE_CONTAINER, VERSION
+from shim.cri.methods import CREATE_CONTAINER, EXEC_SYNC, VERSION
 from shim.tools.bench.load import Client
 from shim.tools.bench.processes import Processes
-from shim.tools.bench.workload import DEFAULT_TRACE, QUICK, REPO, padded, pct, prepare
+from shim.tools.bench.workload import DEFAULT_TRACE, QUICK, REPO, exec_request, padded, pct, prepare
 
 MiB = 1 << 20
 
@@ -54,6 +54,7 @@ def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
         client.alternate(VERSION, lambda i, n: b"", 300)
         template = w.create_template
         pad = padded(template.ByteSize())
+        reply200k = exec_request(w.exec_container, 200 * 1024)
         counter = [0]
 
         def create_req(i: int, name: str) -> bytes:
@@ -61,11 +62,13 @@ def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
             template.config.metadata.attempt = counter[0]
             return template.SerializeToString()
 
-        per = {t: {"small": [], "create": [], "passthrough": [], "rewrite_extra": []} for t in ("A", "B")}
+        per = {t: {"small": [], "reply200k": [], "create": [], "passthrough": [], "rewrite_extra": []}
+               for t in ("A", "B")}
         for b in range(blocks):
             lc = client.alternate(CREATE_CONTAINER, create_req, calls)
             lp = client.alternate(VERSION, lambda i, n: pad, calls)
             ls = client.alternate(VERSION, lambda i, n: b"", calls)
+            lr = client.alternate(EXEC_SYNC, lambda i, n: reply200k, max(1, calls // 3))
             for t in ("A", "B"):
                 c = (pct(lc[t], 50) - pct(lc["direct"], 50)) * 1e6
                 p = (pct(lp[t], 50) - pct(lp["direct"], 50)) * 1e6
@@ -73,6 +76,7 @@ def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
                 per[t]["passthrough"].append(p)
                 per[t]["rewrite_extra"].append(c - p)
                 per[t]["small"].append((pct(ls[t], 50) - pct(ls["direct"], 50)) * 1e6)
+                per[t]["reply200k"].append((pct(lr[t], 50) - pct(lr["direct"], 50)) * 1e6)
             print(f"  block {b + 1}/{blocks}: rewrite extra A {per['A']['rewrite_extra'][-1]:.0f} us, "
                   f"B {per['B']['rewrite_extra'][-1]:.0f} us", file=sys.stderr)
         client.close()
@@ -101,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
           f"medians over blocks of p50 added over direct (µs)")
     print(f"| metric | A: {args.ref_a} | B: {args.ref_b} | B − A |")
     print("|---|---|---|---|")
-    for key, label in (("small", "small call"), ("create", "CreateContainer (rewritten)"),
-                       ("passthrough", "same-size passthrough"), ("rewrite_extra", "rewrite extra over passthrough")):
+    for key, label in (("small", "small call"), ("reply200k", "200 KB answer"),
+                       ("create", "CreateContainer (rewritten)"), ("passthrough", "same-size passthrough"),
+                       ("rewrite_extra", "rewrite extra over passthrough")):
         print(f"| {label} | {m['A'][key]:+.0f} | {m['B'][key]:+.0f} | {m['B'][key] - m['A'][key]:+.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
