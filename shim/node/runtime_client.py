@@ -17,7 +17,7 @@ from shim.cri.methods import RUNTIME_SERVICE
 from shim.decision import PodFacts
 from shim.cri.facts import derived_request
 from shim.decision.pod import container_request
-from shim.node.state import ContainerRecord, NodeState, SandboxRecord, SandboxView, Snapshot
+from shim.node.state import ContainerRecord, NodeState, PodRecord, SandboxRecord, SandboxView, Snapshot
 from shim.transport.unary_client import CallError, UnaryClient
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def take_snapshot(client: RuntimeClient, known: NodeState | None, capacity: int,
         if not md.uid:
             continue
         record = SandboxRecord(s.id, md.uid, s.state == pb.SANDBOX_READY, s.created_at)
-        view = SandboxView(record, md.namespace, md.name, dict(s.annotations))
+        view = SandboxView(record, PodRecord(md.uid, md.namespace, md.name, dict(s.annotations)))
         pod = known.pod_of_sandbox(s.id) if known is not None else None
         sb = pod.sandboxes.get(s.id) if pod is not None else None
         if sb is not None and sb.cgroup_parent:
@@ -166,9 +166,9 @@ def take_snapshot(client: RuntimeClient, known: NodeState | None, capacity: int,
         if st is None:
             continue
         res = st.resources.linux if st.HasField("resources") else pb.LinuxContainerResources()
-        facts = PodFacts(uid=view.record.uid, namespace=view.namespace, name=view.name,
-                         cgroup_parent=view.record.cgroup_parent,
-                         annotations=MappingProxyType(dict(view.annotations)))
+        pod = view.pod
+        facts = PodFacts(uid=pod.uid, namespace=pod.namespace, name=pod.name, cgroup_parent=view.record.cgroup_parent,
+                         annotations=MappingProxyType(dict(pod.annotations)))
         name = st.metadata.name or c.metadata.name
         if kc is not None:
             b, src, note = kc.request, kc.source, None

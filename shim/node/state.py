@@ -307,7 +307,7 @@ class NodeState:
         new = NodeState(self.capacity)
         new.snap_gen = max(self.snap_gen, snapshot.gen)
         for sv in snapshot.sandboxes:
-            pod = new.upsert_pod(sv.record.uid, sv.namespace, sv.name, sv.annotations)
+            pod = new.upsert_pod(sv.pod.uid, sv.pod.namespace, sv.pod.name, sv.pod.annotations)
             new.add_sandbox(pod, sv.record)
         for cr in sorted(snapshot.containers, key=lambda c: (c.created_at, c.order, c.id)):
             pod = new.pod_of_sandbox(cr.sandbox_id)
@@ -322,12 +322,11 @@ class NodeState:
 
 @dataclass
 class SandboxView:
-    """One sandbox of a runtime listing: the record the node state keeps, and its pod's identity."""
+    """One sandbox of a runtime listing: the record the node state keeps, and its pod's identity
+    (a ``PodRecord`` without sandboxes or containers)."""
 
     record: SandboxRecord
-    namespace: str = ""
-    name: str = ""
-    annotations: Mapping[str, str] = field(default_factory=dict)
+    pod: PodRecord
 
 
 @dataclass
