@@ -26,15 +26,8 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
-from shim.transport.hooks import (
-    STREAM_RECORD_MAX_BYTES,
-    STREAM_RECORD_MAX_MESSAGES,
-    CallHooks,
-    MethodShape,
-    RpcCall,
-    guarded_finished,
-    guarded_rewrite,
-)
+from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
+from shim.transport.hooks import CallHooks, MethodShape, RpcCall, guarded_finished, guarded_rewrite
 from shim.transport.unixsock import ThrottledLog, bind_staged, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger(__name__)

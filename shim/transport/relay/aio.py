@@ -16,9 +16,8 @@ import logging
 import time
 from typing import Iterable
 
+from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import (
-    STREAM_RECORD_MAX_BYTES,
-    STREAM_RECORD_MAX_MESSAGES,
     CallHooks,
     MethodShape,
     RpcCall,
