@@ -9,26 +9,16 @@ import os
 import signal
 import sys
 
-from shim import __version__
+from shim import __version__, decision
 from shim.app.config import OPTIONS, ConfigError, add_arguments, resolve
-from shim.decision import (
-    ContainerFacts,
-    NodeFacts,
-    PodFacts,
-    Policy,
-    QoSClass,
-    Request,
-    RequestSource,
-    decide,
-)
 from shim.decision.quantity import QuantityError, format_bytes, parse_bytes
 
 log = logging.getLogger("memqos-shim")
 
 _QOS_PARENTS = {
-    QoSClass.GUARANTEED: "/kubepods/pod0000",
-    QoSClass.BURSTABLE: "/kubepods/burstable/pod0000",
-    QoSClass.BESTEFFORT: "/kubepods/besteffort/pod0000",
+    decision.QoSClass.GUARANTEED: "/kubepods/pod0000",
+    decision.QoSClass.BURSTABLE: "/kubepods/burstable/pod0000",
+    decision.QoSClass.BESTEFFORT: "/kubepods/besteffort/pod0000",
 }
 
 
@@ -69,7 +59,7 @@ async def _serve(service) -> int:
 # -- explain -------------------------------------------------------------------
 def _policy_arg(v: str) -> str:
     try:
-        return Policy(v).value
+        return decision.Policy(v).value
     except ValueError:
         raise argparse.ArgumentTypeError(f"unknown policy {v!r}: Hard, Soft, TieredReservation, None "
                                          "(or request, tiered, none)") from None
@@ -98,25 +88,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
         page = int(args.page_size) if args.page_size else os.sysconf("SC_PAGE_SIZE")
         if page <= 0:
             raise ValueError("page size must be positive")
-        policy = Policy(args.policy)  # already checked by argparse
+        policy = decision.Policy(args.policy)  # already checked by argparse
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
     if args.qos:
-        qos = {q.name.lower(): q for q in QoSClass}[args.qos]
+        qos = {q.name.lower(): q for q in decision.QoSClass}[args.qos]
     elif limit > 0 and request == limit:
-        qos = QoSClass.GUARANTEED
+        qos = decision.QoSClass.GUARANTEED
     elif request == 0 and limit == 0:
-        qos = QoSClass.BESTEFFORT
+        qos = decision.QoSClass.BESTEFFORT
     else:
-        qos = QoSClass.BURSTABLE
-    node = NodeFacts(capacity=allocatable, allocatable=allocatable, page_size=page, factor=factor)
-    d = decide(
-        PodFacts(cgroup_parent=_QOS_PARENTS[qos]),
-        ContainerFacts(name="explain", limit=limit),
+        qos = decision.QoSClass.BURSTABLE
+    node = decision.NodeFacts(capacity=allocatable, allocatable=allocatable, page_size=page, factor=factor)
+    d = decision.decide(
+        decision.PodFacts(cgroup_parent=_QOS_PARENTS[qos]),
+        decision.ContainerFacts(name="explain", limit=limit),
         node,
         policy,
-        Request(request, RequestSource.GIVEN),
+        decision.Request(request, decision.RequestSource.GIVEN),
     )
     out = {
         "unified": dict(d.unified_after),

@@ -17,16 +17,7 @@ from shim.cri import pb
 from shim.cri.events import ContainerRemoved, PodSandboxRemoved, call_event, created_container_id
 from shim.cri.facts import container_facts, pod_facts
 from shim.cri.methods import CREATE_CONTAINER, REMOVE_CONTAINER, REMOVE_POD_SANDBOX, UPDATE_CONTAINER_RESOURCES
-from shim.decision import (
-    Decision,
-    NodeFacts,
-    PodFacts,
-    Policy,
-    QoSClass,
-    Request,
-    RequestSource,
-    decide,
-)
+from shim.decision import Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.decision.pod import CONTAINER_ANNOTATION  # noqa: F401  (re-exported for callers)
 from shim.decision.request import resolve_request  # noqa: F401  (re-exported for callers)
 from shim.transport.hooks import RpcCall

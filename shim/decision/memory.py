@@ -5,17 +5,7 @@ import math
 from types import MappingProxyType
 from typing import Mapping
 
-from shim.decision.facts import (
-    OWNED_KEYS,
-    ContainerFacts,
-    Decision,
-    NodeFacts,
-    PodFacts,
-    Policy,
-    QoSClass,
-    Request,
-    RequestSource,
-)
+from shim.decision.facts import OWNED_KEYS, ContainerFacts, Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource
 from shim.decision.qos import qos_class
 from shim.decision.request import resolve_request
 

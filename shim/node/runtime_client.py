@@ -17,7 +17,7 @@ from shim.cri.methods import RUNTIME_SERVICE
 from shim.decision import PodFacts
 from shim.cri.facts import derived_request
 from shim.decision.pod import container_request
-from shim.node.state import ContainerRecord, NodeState, SandboxView, Snapshot
+from shim.node.state import ContainerRecord, NodeState, PodRecord, SandboxRecord, SandboxView, Snapshot
 from shim.transport.unary_client import CallError, UnaryClient
 
 log = logging.getLogger(__name__)
@@ -128,20 +128,19 @@ def take_snapshot(client: RuntimeClient, known: NodeState | None, capacity: int,
         md = s.metadata
         if not md.uid:
             continue
-        view = SandboxView(id=s.id, uid=md.uid, namespace=md.namespace, name=md.name,
-                           annotations=dict(s.annotations), ready=s.state == pb.SANDBOX_READY,
-                           created_at=s.created_at)
+        record = SandboxRecord(s.id, md.uid, s.state == pb.SANDBOX_READY, s.created_at)
+        view = SandboxView(record, PodRecord(md.uid, md.namespace, md.name, dict(s.annotations)))
         pod = known.pod_of_sandbox(s.id) if known is not None else None
         sb = pod.sandboxes.get(s.id) if pod is not None else None
         if sb is not None and sb.cgroup_parent:
-            view.cgroup_parent, view.overhead = sb.cgroup_parent, sb.overhead
+            record.cgroup_parent, record.overhead = sb.cgroup_parent, sb.overhead
         else:
             status = client.sandbox_status(s.id, verbose=True)
             if status is None:
                 continue
-            view.cgroup_parent, view.overhead = sandbox_info(status)
-            if not view.cgroup_parent and sb is not None:
-                view.cgroup_parent = sb.cgroup_parent
+            record.cgroup_parent, record.overhead = sandbox_info(status)
+            if not record.cgroup_parent and sb is not None:
+                record.cgroup_parent = sb.cgroup_parent
         views[s.id] = view
         snap.sandboxes.append(view)
     for c in containers:
@@ -167,8 +166,9 @@ def take_snapshot(client: RuntimeClient, known: NodeState | None, capacity: int,
         if st is None:
             continue
         res = st.resources.linux if st.HasField("resources") else pb.LinuxContainerResources()
-        facts = PodFacts(uid=view.uid, namespace=view.namespace, name=view.name, cgroup_parent=view.cgroup_parent,
-                         annotations=MappingProxyType(dict(view.annotations)))
+        pod = view.pod
+        facts = PodFacts(uid=pod.uid, namespace=pod.namespace, name=pod.name, cgroup_parent=view.record.cgroup_parent,
+                         annotations=MappingProxyType(dict(pod.annotations)))
         name = st.metadata.name or c.metadata.name
         if kc is not None:
             b, src, note = kc.request, kc.source, None

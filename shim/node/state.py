@@ -307,8 +307,8 @@ class NodeState:
         new = NodeState(self.capacity)
         new.snap_gen = max(self.snap_gen, snapshot.gen)
         for sv in snapshot.sandboxes:
-            pod = new.upsert_pod(sv.uid, sv.namespace, sv.name, sv.annotations)
-            new.add_sandbox(pod, SandboxRecord(sv.id, sv.uid, sv.ready, sv.created_at, sv.cgroup_parent, sv.overhead))
+            pod = new.upsert_pod(sv.pod.uid, sv.pod.namespace, sv.pod.name, sv.pod.annotations)
+            new.add_sandbox(pod, sv.record)
         for cr in sorted(snapshot.containers, key=lambda c: (c.created_at, c.order, c.id)):
             pod = new.pod_of_sandbox(cr.sandbox_id)
             if pod is None:
@@ -322,15 +322,11 @@ class NodeState:
 
 @dataclass
 class SandboxView:
-    id: str
-    uid: str
-    namespace: str = ""
-    name: str = ""
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    ready: bool = True
-    created_at: int = 0
-    cgroup_parent: str = ""
-    overhead: int = 0
+    """One sandbox of a runtime listing: the record the node state keeps, and its pod's identity
+    (a ``PodRecord`` without sandboxes or containers)."""
+
+    record: SandboxRecord
+    pod: PodRecord
 
 
 @dataclass

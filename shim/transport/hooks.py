@@ -28,6 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
+# What an RpcCall keeps of one server stream, in either transport; the client always gets every
+# message.
+STREAM_RECORD_MAX_MESSAGES = 1000
+STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
+
 
 class MethodShape(Protocol):
     """One row of the method table a transport is given."""

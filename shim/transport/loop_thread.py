@@ -11,9 +11,31 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 log = logging.getLogger(__name__)
+
+
+def host_loop(loop: asyncio.AbstractEventLoop, start: Callable[[], Awaitable[Any]],
+              ready: concurrent.futures.Future) -> None:
+    """Run ``loop`` in the calling thread as its event loop: first ``start()``, whose result or
+    exception goes to ``ready`` (on an exception the loop is closed and this returns), then until
+    the loop is stopped; then its async generators are shut down and it is closed."""
+    asyncio.set_event_loop(loop)
+    try:
+        result = loop.run_until_complete(start())
+    except BaseException as e:  # noqa: BLE001 - reported through ready
+        ready.set_exception(e)
+        loop.close()
+        return
+    ready.set_result(result)
+    try:
+        loop.run_forever()
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
 
 def uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -48,23 +70,8 @@ class ThreadedProxy:
         ready: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
-            loop = self._factory()
-            asyncio.set_event_loop(loop)
-            self._loop = loop
-            try:
-                loop.run_until_complete(self._proxy.start())
-            except BaseException as e:  # noqa: BLE001 - reported to start()
-                ready.set_exception(e)
-                loop.close()
-                return
-            ready.set_result(None)
-            try:
-                loop.run_forever()
-            finally:
-                try:
-                    loop.run_until_complete(loop.shutdown_asyncgens())
-                finally:
-                    loop.close()
+            self._loop = self._factory()
+            host_loop(self._loop, self._proxy.start, ready)
 
         self._done = asyncio.Event()
         self._thread = threading.Thread(target=run, name=self._name, daemon=True)

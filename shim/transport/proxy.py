@@ -21,28 +21,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import tempfile
 import time
 from typing import Any, Callable, Iterable
 
 import grpc
 
-from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, grpc_target, socket_path
+from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import CallHooks, MethodShape, RpcCall, guarded_finished, guarded_rewrite
-from shim.transport.unixsock import (
-    ThrottledLog,
-    check_replaceable,
-    check_socket_mode,
-    remove_if_ours,
-    resolve_gid,
-)
+from shim.transport.unixsock import ThrottledLog, bind_staged, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger(__name__)
-
-# What FinishedCall keeps of one server stream; the client always gets every message.
-STREAM_RECORD_MAX_MESSAGES = 1000
-STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
 
 # Reconnect quickly when the runtime restarts (grpc's default backoff grows to 120 s, during
 # which every call would fail UNAVAILABLE although the runtime is back). A unix socket
@@ -59,6 +47,10 @@ _RESERVED_KEYS = frozenset({"user-agent", "content-type", "te", "host", "connect
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
+# (timeout below, its grid): the steps of grpc core's three-significant-digit timeout encoding.
+_TIMEOUT_GRIDS = ((1.0, 0.001), (10.0, 0.01), (100.0, 0.1), (1000.0, 1.0), (10000.0, 10.0), (100000.0, 100.0))
+
+
 def _upstream_timeout(remaining: float | None) -> float | None:
     """The upstream call's timeout, so that its deadline is not later than the client's.
 
@@ -70,18 +62,9 @@ def _upstream_timeout(remaining: float | None) -> float | None:
     """
     if remaining is None:
         return None
-    if remaining < 1.0:
-        grid = 0.001
-    elif remaining < 10.0:
-        grid = 0.01
-    elif remaining < 100.0:
-        grid = 0.1
-    elif remaining < 1000.0:
-        grid = 1.0
-    elif remaining < 10000.0:
-        grid = 10.0
-    elif remaining < 100000.0:
-        grid = 100.0
+    for below, grid in _TIMEOUT_GRIDS:
+        if remaining < below:
+            break
     else:
         grid = 3600.0
     timeout = (remaining // grid) * grid - 0.005
@@ -128,12 +111,10 @@ class CriProxy:
         socket_group: str | int | None = None,
         max_message_bytes: int = 128 * 1024 * 1024,
     ) -> None:
-        self.listen_path = socket_path(listen)
-        self.upstream_target = grpc_target(upstream)
-        if self.listen_path == socket_path(upstream):
-            raise ValueError(f"listen and upstream are the same socket: {self.listen_path}")
-        socket_mode = check_socket_mode(socket_mode, socket_group)
-        self.socket_mode = socket_mode
+        self.listen_path, upstream_path, self.socket_mode = transport_endpoints(
+            listen, upstream, socket_mode, socket_group
+        )
+        self.upstream_target = "unix://" + upstream_path
         self.socket_group = socket_group
         if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be a positive int, not {max_message_bytes!r}")
@@ -211,40 +192,13 @@ class CriProxy:
     # ----------------------------------------------------------------- socket
 
     def _bind(self, server: grpc.aio.Server, gid: int | None) -> None:
-        """Bind in a fresh 0700 directory, set mode and group, then rename into place.
+        """Bind grpcio's listening socket through ``bind_staged``: never open to other users."""
 
-        The socket is reachable only through the private directory until its permissions are
-        final, so it is never open to other users, whatever the umask. rename() atomically
-        replaces a stale socket: the path never goes missing.
-        """
-        path = self.listen_path
-        parent = os.path.dirname(path)
-        os.makedirs(parent, mode=0o755, exist_ok=True)
-        check_replaceable(path)
-        tmpdir = tempfile.mkdtemp(prefix=".shim-", dir=parent)  # mode 0700
-        tmp_sock = os.path.join(tmpdir, "s")
-        try:
-            if len(tmp_sock.encode()) > MAX_UNIX_PATH_BYTES:
-                raise ValueError(
-                    f"listen socket path {path!r} is too long: binding it needs "
-                    f"{len(tmp_sock.encode())} bytes ({tmp_sock!r}), unix sockets allow "
-                    f"{MAX_UNIX_PATH_BYTES}"
-                )
+        def add_port(tmp_sock: str) -> None:
             if server.add_insecure_port("unix:" + tmp_sock) == 0:
                 raise OSError(f"could not bind a unix socket at {tmp_sock}")
-            os.chmod(tmp_sock, self.socket_mode)
-            if gid is not None:
-                os.chown(tmp_sock, -1, gid)
-            check_replaceable(path)
-            os.rename(tmp_sock, path)
-            st = os.lstat(path)
-            self._socket_id = (st.st_dev, st.st_ino)
-        finally:
-            try:
-                os.unlink(tmp_sock)
-            except FileNotFoundError:
-                pass
-            os.rmdir(tmpdir)
+
+        self._socket_id = bind_staged(self.listen_path, self.socket_mode, gid, add_port)
 
     def _remove_socket(self) -> None:
         remove_if_ours(self.listen_path, self._socket_id)

@@ -14,8 +14,9 @@ import socket
 import stat
 import tempfile
 import time
+from typing import Callable
 
-from shim.transport.endpoints import MAX_UNIX_PATH_BYTES
+from shim.transport.endpoints import MAX_UNIX_PATH_BYTES, socket_path
 
 log = logging.getLogger("shim.transport")
 
@@ -87,14 +88,30 @@ def check_replaceable(path: str) -> None:
     )
 
 
-def bind_private(path: str, mode: int, gid: int | None, backlog: int = 128) -> tuple[socket.socket, tuple[int, int]]:
-    """A listening socket at ``path`` with its final mode; returns it and (st_dev, st_ino)."""
+def transport_endpoints(listen: str, upstream: str, socket_mode: int, socket_group) -> tuple[str, str, int]:
+    """A transport's listening socket path, its upstream socket path and the listening socket's
+    effective mode; ValueError for a bad endpoint, one socket for both, or a mode open to others."""
+    listen_path = socket_path(listen)
+    upstream_path = socket_path(upstream)
+    if listen_path == upstream_path:
+        raise ValueError(f"listen and upstream are the same socket: {listen_path}")
+    return listen_path, upstream_path, check_socket_mode(socket_mode, socket_group)
+
+
+def bind_staged(path: str, mode: int, gid: int | None, bind: Callable[[str], None]) -> tuple[int, int]:
+    """Put a socket at ``path`` with its final mode and group; returns its (st_dev, st_ino).
+
+    ``bind(tmp_path)`` binds the listening socket at a path inside a fresh 0700 directory beside
+    ``path``; mode and group are set there, then the socket is renamed into place. It is
+    reachable only through the private directory until its permissions are final, so it is never
+    open to other users, whatever the umask; rename() atomically replaces a stale socket, so the
+    path never goes missing.
+    """
     parent = os.path.dirname(path)
     os.makedirs(parent, mode=0o755, exist_ok=True)
     check_replaceable(path)
     tmpdir = tempfile.mkdtemp(prefix=".shim-", dir=parent)  # mode 0700
     tmp_sock = os.path.join(tmpdir, "s")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         if len(tmp_sock.encode()) > MAX_UNIX_PATH_BYTES:
             raise ValueError(
@@ -102,25 +119,33 @@ def bind_private(path: str, mode: int, gid: int | None, backlog: int = 128) -> t
                 f"{len(tmp_sock.encode())} bytes ({tmp_sock!r}), unix sockets allow "
                 f"{MAX_UNIX_PATH_BYTES}"
             )
-        sock.bind(tmp_sock)
+        bind(tmp_sock)
         os.chmod(tmp_sock, mode)
         if gid is not None:
             os.chown(tmp_sock, -1, gid)
         check_replaceable(path)
         os.rename(tmp_sock, path)
         st = os.lstat(path)
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
     finally:
         try:
             os.unlink(tmp_sock)
         except FileNotFoundError:
             pass
         os.rmdir(tmpdir)
-    return sock, (st.st_dev, st.st_ino)
+    return st.st_dev, st.st_ino
+
+
+def bind_private(path: str, mode: int, gid: int | None, backlog: int = 128) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening socket at ``path`` with its final mode; returns it and (st_dev, st_ino)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        socket_id = bind_staged(path, mode, gid, sock.bind)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, socket_id
 
 
 def remove_if_ours(path: str, socket_id: tuple[int, int] | None) -> None:

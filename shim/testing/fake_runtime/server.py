@@ -10,6 +10,8 @@ service S", grpc-go's texts (recorder-smoke.jsonl seq 12 shows containerd's).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import os
 import stat
 import threading
@@ -21,6 +23,7 @@ from shim.cri import pb
 from shim.testing.fake_runtime.errors import CriError, go_duration
 from shim.testing.fake_runtime.methods import METHODS, SERVICES
 from shim.testing.fake_runtime.runtime import FakeRuntime
+from shim.transport.loop_thread import host_loop
 
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 
@@ -223,38 +226,22 @@ class FakeRuntimeServer:
         if self.running:
             return self
         loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        error: list[BaseException] = []
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                self._server, _ = loop.run_until_complete(
-                    serve_fake_runtime(self.path, self.runtime, max_message_bytes=self._max_message_bytes)
-                )
-            except BaseException as exc:  # noqa: BLE001 - reported to start()
-                error.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-            finally:
-                try:
-                    loop.run_until_complete(loop.shutdown_asyncgens())
-                finally:
-                    loop.close()
-
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        serve = functools.partial(serve_fake_runtime, self.path, self.runtime,
+                                  max_message_bytes=self._max_message_bytes)
         self._loop = loop
-        self._thread = threading.Thread(target=run, name=f"fake-runtime {self.path}", daemon=True)
+        self._thread = threading.Thread(target=host_loop, args=(loop, serve, ready),
+                                        name=f"fake-runtime {self.path}", daemon=True)
         self._thread.start()
-        if not ready.wait(timeout):
-            raise TimeoutError(f"fake runtime did not start on {self.path} within {timeout}s")
-        if error:
+        try:
+            error = ready.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"fake runtime did not start on {self.path} within {timeout}s") from None
+        if error is not None:
             self._thread.join(timeout)
             self._thread = None
-            raise error[0]
+            raise error
+        self._server, _ = ready.result()
         return self
 
     def stop(self, grace: float | None = None, timeout: float = 10.0) -> None:

@@ -16,8 +16,7 @@ import logging
 import time
 from typing import Iterable
 
-from shim.transport.endpoints import socket_path
-
+from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import (
     CallHooks,
     MethodShape,
@@ -27,9 +26,9 @@ from shim.transport.hooks import (
     guarded_rewrite,
     unary_shapes,
 )
-from shim.transport.relay.calls import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES, request_reader
+from shim.transport.relay.calls import request_reader
 from shim.transport.relay.connection import Connection
-from shim.transport.unixsock import ThrottledLog, bind_private, check_socket_mode, remove_if_ours, resolve_gid
+from shim.transport.unixsock import ThrottledLog, bind_private, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger("shim.transport.relay")
 
@@ -232,11 +231,9 @@ class RelayProxy:
         hold_max_bytes: int = HOLD_MAX_BYTES,
         hold_total_bytes: int = HOLD_TOTAL_BYTES,
     ) -> None:
-        self.listen_path = socket_path(listen)
-        self.upstream_path = socket_path(upstream)
-        if self.listen_path == self.upstream_path:
-            raise ValueError(f"listen and upstream are the same socket: {self.listen_path}")
-        self.socket_mode = check_socket_mode(socket_mode, socket_group)
+        self.listen_path, self.upstream_path, self.socket_mode = transport_endpoints(
+            listen, upstream, socket_mode, socket_group
+        )
         self.socket_group = socket_group
         for name, value in (("max_message_bytes", max_message_bytes), ("hold_max_bytes", hold_max_bytes),
                             ("hold_total_bytes", hold_total_bytes)):

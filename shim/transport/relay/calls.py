@@ -7,11 +7,6 @@ from typing import Callable
 from shim.transport.hooks import RpcCall
 from shim.transport.wire.grpc import Messages, decompress, header_values, timeout_seconds
 
-# What FinishedCall keeps of one server stream (as the grpcio transport); the client always
-# gets every message.
-STREAM_RECORD_MAX_MESSAGES = 1000
-STREAM_RECORD_MAX_BYTES = 16 * 1024 * 1024
-
 
 _REQUEST = {b":path": 0, b"grpc-timeout": 1, b"grpc-encoding": 2}
 
