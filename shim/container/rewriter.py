@@ -173,9 +173,10 @@ class ContainerMemoryQoS:
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               pod.cgroup_parent)
         out = request
-        if decision.changed:
+        changed = decision.changed
+        if changed:
             _apply(resources, decision)
-        if decision.changed or config.annotations.get(CONTAINER_ANNOTATION) != note:
+        if changed or config.annotations.get(CONTAINER_ANNOTATION) != note:
             config.annotations[CONTAINER_ANNOTATION] = note
             out = msg.SerializeToString()
         call.audit, call.memo, call.decision, call.parsed = lazy, memo, decision, msg

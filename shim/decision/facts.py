@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from enum import Enum
 from types import MappingProxyType
 from typing import Mapping
@@ -116,8 +115,6 @@ class Decision:
     unified_after: Mapping[str, str]
     reasons: Mapping[str, str]  # owned key -> why it was set, kept or left out
 
-    @cached_property
+    @property
     def changed(self) -> bool:
-        """Whether the unified map differs from what the kubelet sent (computed once: the
-        rewriter asks on the CRI path and again for the audit record)."""
         return dict(self.unified_before) != dict(self.unified_after)

@@ -28,10 +28,16 @@ from shim.tools.bench.workload import DEFAULT_TRACE, QUICK, REPO, exec_request, 
 MiB = 1 << 20
 
 
-def _worktree(ref: str, into: Path) -> Path:
+def worktree(ref: str, into: Path) -> Path:
+    """``ref`` checked out (detached) in a new worktree under ``into``."""
     path = into / ref.replace("/", "_")
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(path), ref], check=True)
     return path
+
+
+def remove_worktrees(trees: list[Path]) -> None:
+    for t in trees:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(t)], check=False)
 
 
 def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
@@ -41,7 +47,7 @@ def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
     try:
         sources = {}
         for tag, ref in (("A", ref_a), ("B", ref_b)):
-            src = REPO if ref == "WORKTREE" else _worktree(ref, work)
+            src = REPO if ref == "WORKTREE" else worktree(ref, work)
             if src != REPO:
                 trees.append(src)
             sources[tag] = ("relay", src)
@@ -86,8 +92,7 @@ def run(ref_a: str, ref_b: str, blocks: int, calls: int) -> dict:
     finally:
         if procs is not None:
             procs.stop()
-        for t in trees:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(t)], check=False)
+        remove_worktrees(trees)
         shutil.rmtree(work, ignore_errors=True)
 
 
