@@ -40,3 +40,15 @@ def test_replay_slices_keep_every_call_once_in_order():
     assert [(round(c[0] + k * 1.0, 6), c[1], c[2]) for k, p in enumerate(parts) for c in p] == schedule
     gap = replay_slices([(0.5, "a", b""), (3.5, "b", b"")], 1.0)  # empty seconds are left out
     assert [[c[1] for c in p] for p in gap] == [["a"], ["b"]]
+
+
+@pytest.mark.parametrize("mode", ["rewrite", "rewrite+finished"])
+def test_bench_instructions_probe_runs_on_this_tree(mode):
+    """scripts/bench-instructions' probe (run under callgrind there) works with today's hooks."""
+    import sys
+
+    from shim.tools.bench.hook_instructions import PROBE
+
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); exec({PROBE!r})",
+                        "5", mode], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
