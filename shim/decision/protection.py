@@ -118,6 +118,9 @@ def keep_protection(
         if left and have is not None and value < have:
             departure = "; ".join(r for uid in left for r in departures[uid])
             why += f"; lowered: {departure}"
+        elif start and have is not None and value < have:
+            departure = "start: the sum of the running pods (pods gone while the shim was not running left)"
+            why += f"; lowered at {departure}"
         if held or departure:
             out[key] = replace(t, value=value, held=held, departure=departure, why=why)
     return out
