@@ -207,7 +207,7 @@ def test_a_restart_under_pod_churn_lowers_nothing_for_pods_still_running(tmp_pat
     sampler_errors = []
 
     def sampler():
-        while not sampling.is_set():
+        while not sampling.wait(0.005):
             try:
                 w.sample("background")
             except Exception as e:  # pragma: no cover - a file mid-write is retried by tree.get
@@ -238,12 +238,12 @@ def test_a_restart_under_pod_churn_lowers_nothing_for_pods_still_running(tmp_pat
         k2.sandboxes.update(k.sandboxes)
         k2.create(m, "c", "burstable", request=4 * MI)
         s2.sync()
-        w.sample("settled")
         k2.close()
     finally:
         sampling.set()
         if th.is_alive():
             th.join(5)
+        w.sample("settled")
         if s2 is not None:
             s2.stop()
         rt.stop()

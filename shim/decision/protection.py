@@ -109,9 +109,10 @@ def keep_protection(
         held = departure = ""
         if value > t.value:
             if floor >= pods_sum:
+                kept = _cap(have, cap)
                 held = f"value in force {have} kept" + (
-                    f" less {have - floor} of departed pods" if floor < have else ", no pod left") + \
-                    f" (computed {t.value})"
+                    f" less {kept - floor} of departed pods" if floor < kept else ", no pod left") + \
+                    (f", capped at the node's {cap}" if kept < have else "") + f" (computed {t.value})"
             else:
                 held = f"the pods' values in force sum to {pods_sum} (computed {t.value})"
             why += f"; held: {held}"
