@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from shim.cri import pb
 from shim.testing.fake_runtime import FakeRuntime
 from shim.testing.kubelet_requests import create_container, sandbox_config
@@ -13,9 +15,8 @@ from tests.reconciler_support import MI, FakeCgroupTree, Kubelet, ServiceThread,
 from tests.test_reconciler import Stack, make_stack  # noqa: F401 (the fixture)
 
 FILES = ("memory.min", "memory.low")
-# a v1.23 kubelet with the MemoryQoS gate on, as in tests/data/traces (memqos-on)
+# a v1.22-v1.35 kubelet with the MemoryQoS gate on, as in tests/data/traces (memqos-on)
 GATE_ON = {"featureGates": {"MemoryQoS": True}, "memoryThrottlingFactor": 0.8}
-V123 = ("--kubelet-version", "1.23")
 
 
 def is_pod(rel: str) -> bool:
@@ -114,8 +115,9 @@ def start_pods(s, w: Watch, own: OwnWrites | None = None, gate_on: bool = False)
     return sids
 
 
-def test_gate_on_the_shim_writes_no_pod_qos_or_kubepods_value_and_never_lowers_the_kubelets(make_stack):
-    s = make_stack(kubelet_extra=GATE_ON, extra=V123)
+@pytest.mark.parametrize("version", ["1.23", "1.28"])
+def test_gate_on_the_shim_writes_no_pod_qos_or_kubepods_value_and_never_lowers_the_kubelets(make_stack, version):
+    s = make_stack(kubelet_extra=GATE_ON, extra=("--kubelet-version", version))
     t = s.tree
     w, own = Watch(t), OwnWrites(t)
     sids = start_pods(s, w, own, gate_on=True)
