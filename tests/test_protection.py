@@ -223,3 +223,21 @@ def test_departures_are_bounded():
         s.depart("u0", f"again {_}")
     assert len(s.departures) == MAX_DEPARTED_PODS and s.departures_dropped == 10
     assert len(s.departures["u0"]) <= 8
+    # what could not be kept is not lost: every pod known is taken as departed once
+    s.upsert_pod("running")
+    taken = s.take_departures()
+    assert len(taken) == MAX_DEPARTED_PODS + 1 and "more than" in taken["running"][0]
+    s.depart("x", "left")
+    assert s.take_departures() == {"x": ("left",)}
+
+
+def test_departures_not_kept_are_counted_in_the_metrics():
+    from types import SimpleNamespace
+
+    from shim.evidence.metrics import Metrics
+
+    s = NodeState(CAP)
+    for i in range(MAX_DEPARTED_PODS + 3):
+        s.depart(f"u{i}", "left")
+    text = Metrics().attach(reconciler=SimpleNamespace(resyncs=1, state=s)).render().decode()
+    assert "memqos_reconciler_departures_dropped_total 3.0" in text

@@ -139,7 +139,8 @@ class NodeState:
         self._order = 0
         self.snap_gen = 0  # number of the last runtime listing applied
         self.departures: dict[str, list[str]] = {}  # pod uid -> why, since the reconciler last took them
-        self.departures_dropped = 0  # departures not kept (MAX_DEPARTED_PODS reached)
+        self.departures_dropped = 0  # departures not kept (MAX_DEPARTED_PODS reached): a counter
+        self._overflow = False  # some were not kept since the last take
 
     # -- departures
     def depart(self, uid: str, why: str) -> None:
@@ -148,15 +149,22 @@ class NodeState:
         if reasons is None:
             if len(self.departures) >= MAX_DEPARTED_PODS:
                 self.departures_dropped += 1
+                self._overflow = True
                 return
             reasons = self.departures[uid] = []
         if len(reasons) < MAX_REASONS and why not in reasons:
             reasons.append(why)
 
     def take_departures(self) -> dict[str, tuple[str, ...]]:
-        """The departures since the last take (pod uid -> why), and forget them."""
+        """The departures since the last take (pod uid -> why), and forget them. When some were
+        not kept (the bound), every pod known is taken as departed: its value may go down to the
+        computed one, rather than a departure lost keeping a value up for good."""
         out = {uid: tuple(r) for uid, r in self.departures.items()}
-        self.departures = {}
+        if self._overflow:
+            why = f"more than {MAX_DEPARTED_PODS} pods had departures before the reconciler's pass"
+            for uid in self.pods:
+                out.setdefault(uid, (why,))
+        self.departures, self._overflow = {}, False
         return out
 
     def restore_departures(self, departures: Mapping[str, tuple[str, ...]]) -> None:
