@@ -35,9 +35,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     from shim.app.service import Service
+    from shim.effects.files import UnsafeFile
 
     try:
         service = Service.from_config(cfg)
+    except UnsafeFile as e:  # a symlink where the shim writes: a configuration problem
+        print(f"memqos-shim: {e.strerror}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
