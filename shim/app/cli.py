@@ -192,7 +192,9 @@ def kep_tables() -> str:
 
 
 # -- wiring --------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
+    """The command line; ``serve_only``: without the tools' commands (``serve`` does not import
+    them, which keeps its start short)."""
     p = argparse.ArgumentParser(
         prog="memqos-shim",
         description="A CRI proxy between the kubelet and containerd/CRI-O that gives containers, pods "
@@ -223,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "needs the [plot] extra (matplotlib)")
     ex.set_defaults(func=cmd_explain)
 
-    for register in _EXTRA_COMMANDS:
+    for register in () if serve_only else _EXTRA_COMMANDS:
         register(sub)
     return p
 
@@ -240,7 +242,8 @@ _EXTRA_COMMANDS: list = [_register_trace_commands]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(serve_only=bool(argv) and argv[0] == "serve")
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
