@@ -191,3 +191,39 @@ def test_the_reconciler_writes_the_levels_it_owns_once_the_version_is_known(tmp_
         assert writes and all(r.get("trigger") == "kubelet version known" for r in writes)
     finally:
         s.close()
+
+
+# -- systemd readiness ------------------------------------------------------------------------------
+def test_serve_tells_systemd_it_is_ready_once_its_socket_serves():
+    import socket
+
+    from shim.cri.methods import VERSION
+    from shim.transport.unary_client import UnaryClient
+
+    base = Path(tempfile.mkdtemp(prefix="mqsn-"))
+    (base / "meminfo").write_text(f"MemTotal: {CAPACITY // 1024} kB\n")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(base / "notify"))
+    notify.settimeout(30)
+    sock = base / "shim.sock"
+    with FakeRuntimeServer(base / "rt.sock") as rt:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{sock}", "--upstream", rt.address,
+             "--kubelet-config", "none", "--cgroup-root", str(base), "--meminfo", str(base / "meminfo"),
+             "--audit-log", "none", "--kubelet-version", "1.30", "--reconcile", "false"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, NOTIFY_SOCKET=str(base / "notify")))
+        try:
+            ready = notify.recv(4096).decode()
+            assert ready.splitlines()[0] == "READY=1" and f"serving on unix://{sock}" in ready
+            client = UnaryClient(f"unix://{sock}")  # no retry: it serves when it says so
+            assert pb.VersionResponse.FromString(client.call(VERSION, b"", 5)).runtime_name
+            client.close()
+            proc.send_signal(signal.SIGTERM)
+            assert notify.recv(4096) == b"STOPPING=1"
+            assert proc.wait(15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            notify.close()

@@ -54,10 +54,33 @@ async def _serve(service) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    sd_notify(f"READY=1\nSTATUS=serving on {service.cfg.listen}")
     await stop.wait()
     log.info("stopping")
+    sd_notify("STOPPING=1")
     await service.stop()
     return 0
+
+
+def sd_notify(state: str) -> bool:
+    """Tell systemd (``Type=notify``: $NOTIFY_SOCKET) the service's state: READY=1 once the
+    socket serves, so that a kubelet ordered after the shim starts only then. Without
+    $NOTIFY_SOCKET nothing is sent; a failure is logged, never fatal."""
+    import socket
+
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr:
+        return False
+    if addr[0] == "@":  # an abstract socket
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as e:
+        log.warning("cannot notify systemd (%s): %s", addr.replace("\0", "@"), e)
+        return False
 
 
 # -- explain -------------------------------------------------------------------
