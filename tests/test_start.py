@@ -227,3 +227,11 @@ def test_serve_tells_systemd_it_is_ready_once_its_socket_serves():
                 proc.kill()
                 proc.wait()
             notify.close()
+
+
+def test_the_start_latency_script_runs(capsys):
+    from shim.tools.start_latency import main
+
+    assert main(["-n", "1", "--no-slow"]) == 0
+    out = capsys.readouterr().out
+    assert "fake runtime (baseline)" in out and "shim [this tree]" in out and "CPU used by then" in out
