@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         got = [k for k in ks if k is not None]
         said = f"median {statistics.median(got) * 1000:.0f} ms" if got else "never"
         print(f"  kubelet-version-known [{name}]: {len(got)}/{len(ks)} runs, {said} after exec "
-              f"(first --version sleeps {args.kubelet_sleep:g} s)")
+              f"(the stub's first --version would sleep {args.kubelet_sleep:g} s)")
     return 0
 
 
