@@ -189,7 +189,8 @@ class Reconciler(Worker):
 
     def set_ownership(self, ownership, reason: str = "ownership changed") -> None:
         """Recompute with a new Ownership (shim.node.kubelet; e.g. once the kubelet's version is
-        known): applied on the reconciler's thread, followed by a full reconcile."""
+        known): applied on the reconciler's thread; when the scopes left to the kubelet changed,
+        a resync follows (``reason`` is its trigger in the audit records)."""
         self._queue.put(_NewOwnership(ownership, reason))
 
     # -- the thread
