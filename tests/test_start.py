@@ -27,13 +27,26 @@ CAPACITY = 16 * GI
 PAGE = 4096
 
 
-def fake_kubelet(d: Path, first_sleep: float, version: str = "v1.30.2") -> Path:
+def fake_kubelet(d: Path, first_sleep: float, version: str = "v1.30.2", fail_second: bool = False,
+                 gated: bool = False) -> Path:
     """A directory with a `kubelet` whose first `--version` sleeps (a binary read from a cold
-    page cache); later ones answer at once. It leaves `asked` and `answered` marks."""
+    page cache); later ones answer at once (``fail_second``: the second fails, without a
+    version; ``gated``: every one sleeps until a `release` file exists). It leaves `asked` and
+    `answered` marks."""
     d.mkdir(parents=True)
     script = d / "kubelet"
+    if gated:
+        script.write_text("#!/bin/sh\n"
+                          f"if [ ! -e '{d}/release' ]; then exec sleep {first_sleep}; fi\n"
+                          f": > '{d}/answered'\n"
+                          f"echo 'Kubernetes {version}'\n")
+        script.chmod(0o755)
+        return d
+    second = f"if [ ! -e '{d}/asked2' ]; then : > '{d}/asked2'; echo 'flag provided but not defined' >&2; exit 1; fi\n" \
+        if fail_second else ""
     script.write_text("#!/bin/sh\n"
                       f"if [ ! -e '{d}/asked' ]; then : > '{d}/asked'; exec sleep {first_sleep}; fi\n"
+                      f"{second}"
                       f": > '{d}/answered'\n"
                       f"echo 'Kubernetes {version}'\n")
     script.chmod(0o755)
@@ -93,8 +106,9 @@ def test_the_version_search_keeps_trying_at_the_slowest_rate():
 # -- serve as a process, a slow kubelet on PATH -------------------------------------------------
 def test_serve_forwards_at_once_while_kubelet_version_is_slow_then_revisits_ownership():
     base = Path(tempfile.mkdtemp(prefix="mqst-"))
-    # the first --version takes longer than the first attempt's 3 s timeout
-    bindir = fake_kubelet(base / "bin", first_sleep=4.0)
+    # the first --version takes longer than the first attempt's 3 s timeout, the second fails:
+    # the third (about 6 s after start) answers
+    bindir = fake_kubelet(base / "bin", first_sleep=4.0, fail_second=True)
     (base / "cg").mkdir()
     (base / "cg" / "cgroup.controllers").write_text("memory\n")
     (base / "meminfo").write_text(f"MemTotal: {CAPACITY // 1024} kB\n")
@@ -163,10 +177,12 @@ def test_serve_forwards_at_once_while_kubelet_version_is_slow_then_revisits_owne
 def test_the_reconciler_writes_the_levels_it_owns_once_the_version_is_known(tmp_path, monkeypatch):
     from tests.test_reconciler import B_UID, Stack
 
-    bindir = fake_kubelet(tmp_path / "bin", first_sleep=3.0, version="v1.36.1")
+    # every --version times out until the test releases it
+    bindir = fake_kubelet(tmp_path / "bin", first_sleep=30.0, version="v1.36.1", gated=True)
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
-    monkeypatch.setattr(kubelet_version, "TIMEOUTS", (0.3, 5.0))
-    monkeypatch.setattr(kubelet_version, "RETRY_FIRST", 0.2)
+    monkeypatch.setattr(kubelet_version, "TIMEOUTS", (0.2, 0.5))
+    monkeypatch.setattr(kubelet_version, "RETRY_FIRST", 0.1)
+    monkeypatch.setattr(kubelet_version, "RETRY_MAX", 0.2)
     # memoryReservationPolicy set, version unknown: a v1.36+ kubelet with the gate on is assumed,
     # writing pod / QoS / kubepods values itself; a v1.36 kubelet has the gate off by default
     s = Stack(tmp_path, kubelet_extra={"memoryReservationPolicy": "TieredReservation"})
@@ -178,6 +194,7 @@ def test_the_reconciler_writes_the_levels_it_owns_once_the_version_is_known(tmp_
         s.sync()
         assert s.writes == []  # stands aside while the kubelet is assumed to write
         assert not (bindir / "answered").exists()
+        (bindir / "release").write_text("")
         wait_for(lambda: [r for r in s.records() if r.get("event") == "kubelet-version-known"], timeout=15)
         wait_for(lambda: s.svc.reconciler.kubelet_scopes == frozenset())
         s.sync()
