@@ -35,6 +35,8 @@ def open_append(path: str, mode: int = 0o600) -> int:
         if e.errno == errno.ELOOP:
             raise UnsafeFile(errno.ELOOP, f"{path} is a symbolic link; refusing to write through it "
                                           "(remove it, or point the setting at a regular file)") from None
+        if e.errno == errno.EISDIR:
+            raise UnsafeFile(errno.EISDIR, f"{path} is a directory, not a regular file") from None
         if e.errno == errno.ENXIO:
             raise UnsafeFile(errno.ENXIO, f"{path} is not a regular file (a FIFO or socket?); "
                                           "refusing to write to it") from None
