@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,6 +170,7 @@ def test_serve_forwards_at_once_while_kubelet_version_is_slow_then_revisits_owne
                 proc.wait()
             log.close()
     text = (base / "shim.log").read_text()
+    shutil.rmtree(base, ignore_errors=True)
     assert "decided without the kubelet version" in text
     assert "ownership changed now that the kubelet's version is known: container memory.high kubelet -> shim" in text
 
@@ -244,6 +246,7 @@ def test_serve_tells_systemd_it_is_ready_once_its_socket_serves():
                 proc.kill()
                 proc.wait()
             notify.close()
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def test_the_start_latency_script_runs(capsys):

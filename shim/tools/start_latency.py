@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in row.items()), flush=True)
     finally:
         stop(upstream)
+        shutil.rmtree(work, ignore_errors=True)
     base = statistics.median(results["fake runtime (baseline)"])
     cbase = statistics.median(cpu_results["fake runtime (baseline)"])
     print(f"\nexec -> first Version answered, {args.rounds} rounds (goal for the shim: <= {GOAL:g} s); "
