@@ -35,9 +35,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     from shim.app.service import Service
+    from shim.effects.files import UnsafeFile
 
     try:
         service = Service.from_config(cfg)
+    except UnsafeFile as e:  # a symlink where the shim writes: a configuration problem
+        print(f"memqos-shim: {e.strerror}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -50,10 +54,33 @@ async def _serve(service) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    sd_notify(f"READY=1\nSTATUS=serving on {service.cfg.listen}")
     await stop.wait()
     log.info("stopping")
+    sd_notify("STOPPING=1")
     await service.stop()
     return 0
+
+
+def sd_notify(state: str) -> bool:
+    """Tell systemd (``Type=notify``: $NOTIFY_SOCKET) the service's state: READY=1 once the
+    socket serves, so that a kubelet ordered after the shim starts only then. Without
+    $NOTIFY_SOCKET nothing is sent; a failure is logged, never fatal."""
+    import socket
+
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr:
+        return False
+    if addr[0] == "@":  # an abstract socket
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as e:
+        log.warning("cannot notify systemd (%s): %s", addr.replace("\0", "@"), e)
+        return False
 
 
 # -- explain -------------------------------------------------------------------
@@ -188,7 +215,9 @@ def kep_tables() -> str:
 
 
 # -- wiring --------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
+    """The command line; ``serve_only``: without the tools' commands (``serve`` does not import
+    them, which keeps its start short)."""
     p = argparse.ArgumentParser(
         prog="memqos-shim",
         description="A CRI proxy between the kubelet and containerd/CRI-O that gives containers, pods "
@@ -219,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "needs the [plot] extra (matplotlib)")
     ex.set_defaults(func=cmd_explain)
 
-    for register in _EXTRA_COMMANDS:
+    for register in () if serve_only else _EXTRA_COMMANDS:
         register(sub)
     return p
 
@@ -236,7 +265,8 @@ _EXTRA_COMMANDS: list = [_register_trace_commands]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(serve_only=bool(argv) and argv[0] == "serve")
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -1,5 +1,11 @@
 """The running shim: node facts, audit log, container memory QoS and the proxy, wired
-together from a Config. Everything here happens once at start."""
+together from a Config. Everything here happens once at start, in this order: the node facts
+and the KubeletConfiguration (small files), the audit log, the rewriter, the recorder, the side
+threads' objects (wired into the hooks, so they see every call); then the socket is bound and
+forwards calls; only then do the slow parts begin: the kubelet's version searched for in the
+background (``--kubelet-version auto``: until it is found, ownership is decided without it and
+revisited once it is known), the reconciler's rebuild from the runtime, the monitor, the
+metrics server."""
 from __future__ import annotations
 
 import logging
@@ -47,15 +53,26 @@ def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_ro
     return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership)
 
 
-def kubelet_ownership(cfg: Config, kubelet):
-    """(KubeletWrites, Ownership, how the version was found) for this node: the kubelet's
-    version (--kubelet-version; 'auto' runs `kubelet --version` once, here at start-up, never on
-    the CRI path), what it writes itself, and who owns each value."""
+VERSION_PENDING = "auto: not known yet, `kubelet --version` runs in the background"
+
+
+def kubelet_ownership(cfg: Config, kubelet, version=None):
+    """(KubeletWrites, Ownership, how the version was found, whether it is still to be found)
+    for this node: the kubelet's version (--kubelet-version, or ``version`` when given), what it
+    writes itself, and who owns each value. With 'auto' nothing is run here: until the
+    background search (shim.node.kubelet_version) finds the version, the ownership is the
+    conservative one of an unknown version."""
     from shim.node.kubelet import detect_kubelet_version, kubelet_writes, ownership
 
-    version, how = detect_kubelet_version(cfg.kubelet_version)
+    pending = False
+    if version is not None:
+        how = ""
+    elif str(cfg.kubelet_version or "auto").strip().lower() == "auto":
+        how, pending = VERSION_PENDING, True
+    else:
+        version, how = detect_kubelet_version(cfg.kubelet_version)
     writes = kubelet_writes(kubelet, version)
-    return writes, ownership(writes, cfg.policy), how
+    return writes, ownership(writes, cfg.policy), how, pending
 
 
 def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
@@ -71,7 +88,7 @@ def protobuf_backend() -> str:
 
 class Service:
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
-                 recorder=None, reconciler=None, monitor=None, metrics=None):
+                 recorder=None, reconciler=None, monitor=None, metrics=None, *, version_pending: bool = False):
         self.cfg = cfg
         self.node = node
         self.kubelet = kubelet
@@ -86,6 +103,9 @@ class Service:
             self.hooks.observers.append(reconciler.observer)
         # shim.guard.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
         self.monitor = monitor
+        # --kubelet-version auto: shim.node.kubelet_version.KubeletVersionWatcher, started after the socket
+        self.version_pending = version_pending
+        self.version_watcher = None
         # shim.evidence.metrics.Metrics (--metrics-address): CRI counters from an observer, the rewrite timed
         self.metrics = metrics
         if metrics is not None:
@@ -102,7 +122,7 @@ class Service:
         node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
         v2 = is_cgroup_v2(cfg.cgroup_root)
         audit = AuditLog(cfg.audit_log).start()
-        writes, owners, version_how = kubelet_ownership(cfg, kubelet)
+        writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
                                   ownership=owners)
         backend = protobuf_backend()
@@ -130,7 +150,11 @@ class Service:
         audit.emit(start_record)
         log.info("node: capacity %d, allocatable %d, factor %s, page %d, policy %s, cgroup v2 %s",
                  capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
-        log.info("%s (version: %s)", writes.summary(), version_how)
+        if pending:
+            log.info("decided without the kubelet version (until `kubelet --version` answers, then "
+                     "revisited): %s", writes.summary())
+        else:
+            log.info("%s (version: %s)", writes.summary(), version_how)
         for assumption in writes.assumptions:
             log.warning("kubelet: %s", assumption)
         for line in owners.lines():
@@ -149,7 +173,7 @@ class Service:
 
             metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
         return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
-                   monitor=monitor, metrics=metrics)
+                   monitor=monitor, metrics=metrics, version_pending=pending)
 
     async def start(self) -> None:
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)
@@ -169,6 +193,11 @@ class Service:
                                   socket_mode=mode, socket_group=self.cfg.socket_group)
         await self.proxy.start()
         log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
+        # everything below happens while calls are already forwarded
+        if self.version_pending:  # the search may take seconds on a cold node
+            from shim.node.kubelet_version import KubeletVersionWatcher
+
+            self.version_watcher = KubeletVersionWatcher(self.kubelet_version_known).start()
         if self.reconciler is not None:
             self.reconciler.start()  # rebuilds the node state from the runtime first
         if self.monitor is not None:
@@ -177,6 +206,8 @@ class Service:
             self.start_metrics_server()
 
     async def stop(self) -> None:
+        if self.version_watcher is not None:
+            self.version_watcher.stop(timeout=1.0)
         if self.proxy is not None:
             await self.proxy.stop(grace=5)
         if self.reconciler is not None:
@@ -188,6 +219,44 @@ class Service:
         if self.recorder is not None:
             self.recorder.close()
         self.audit.close()
+
+    def kubelet_version_known(self, version: tuple[int, int], how: str) -> None:
+        """The kubelet's version was found after start (on the watcher's thread): recompute who
+        owns what and hand it to the rewriter (from its next call), the reconciler (recomputed
+        on its thread), the guard and the recorder's next file; audit what changed."""
+        from shim.node.kubelet import CONTAINER_HIGH
+        from shim.guard.monitor import guard_for_ownership
+
+        before = self.container_qos.ownership
+        writes, owners, _, _ = kubelet_ownership(self.cfg, self.kubelet, version)
+        changed = {what: {"from": before.owners[what], "to": who, "why": owners.reasons[what]}
+                   for what, who in owners.owners.items() if before is not None and before.owners[what] != who}
+        self.version_pending = False
+        self.container_qos.set_ownership(owners)
+        if self.reconciler is not None:
+            self.reconciler.set_ownership(owners, "kubelet version known")
+        if self.monitor is not None and CONTAINER_HIGH in changed:
+            self.monitor.guard = guard_for_ownership(self.cfg, owners)
+        if self.recorder is not None:  # the files after the next rotation say it
+            header = self.recorder.header
+            self.recorder.header = {**header, "shim": {**header.get("shim", {}), "kubelet_version": "%d.%d" % version}}
+        self.audit.emit({
+            "event": "kubelet-version-known",
+            "kubelet_version": "%d.%d" % version,
+            "kubelet_version_source": how,
+            "kubelet_writes": writes.summary(),
+            "kubelet_assumptions": list(writes.assumptions),
+            "changed": changed,
+            "ownership": owners.as_dict(),
+            # created through the shim so far, each decided without the version
+            "containers_decided_without_version": len(self.container_qos.containers),
+        })
+        log.info("kubelet version %d.%d: %s", version[0], version[1], writes.summary())
+        if not changed:
+            log.info("ownership unchanged by the kubelet's version")
+        for what, c in changed.items():
+            log.warning("ownership changed now that the kubelet's version is known: %s %s -> %s (%s)",
+                        what, c["from"], c["to"], c["why"])
 
     def start_metrics_server(self) -> None:
         """Serve /metrics. Metrics are not worth the node: a bind failure is logged and audited,

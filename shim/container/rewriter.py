@@ -88,12 +88,19 @@ class ContainerMemoryQoS:
         self.policy = policy
         # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
         self.ownership = ownership
+        # read once per call on the CRI path; replaced whole (never mutated) by set_ownership
         self.kubelet_keys = MappingProxyType(ownership.kubelet_keys() if ownership is not None else {})
         self._emit = emit
         self.enabled = enabled
         self.disabled_reason = disabled_reason
         self._warned = False
         self.containers: dict[str, KnownContainer] = {}
+
+    def set_ownership(self, ownership) -> None:
+        """Use a new Ownership from the next call on (any thread: the CRI path reads
+        ``kubelet_keys`` once per call, and it is replaced in one assignment)."""
+        self.ownership = ownership
+        self.kubelet_keys = MappingProxyType(ownership.kubelet_keys())
 
     # -- CallHooks ---------------------------------------------------------------
     def rewrite(self, call: RpcCall) -> bytes:
@@ -166,10 +173,10 @@ class ContainerMemoryQoS:
             call.parsed = msg
             return request
         resources = config.linux.resources
-        decision = decide(pod, container_facts(name, resources), self.node, self.policy,
-                          kubelet_owns=self.kubelet_keys)
+        owns = self.kubelet_keys
+        decision = decide(pod, container_facts(name, resources), self.node, self.policy, kubelet_owns=owns)
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request)
-        lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision)
+        lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               pod.cgroup_parent)
         out = request
@@ -182,8 +189,9 @@ class ContainerMemoryQoS:
         call.audit, call.memo, call.decision, call.parsed = lazy, memo, decision, msg
         return out
 
-    def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, **extra: Any) -> dict:
-        return {**base(*args), **self._describe(decision), **extra}
+    def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, owns,
+                         **extra: Any) -> dict:
+        return {**base(*args), **self._describe(decision, owns), **extra}
 
     def _update(self, call: RpcCall) -> bytes:
         request = call.request
@@ -216,10 +224,11 @@ class ContainerMemoryQoS:
         else:
             pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
             base["note"] = "container not seen at creation: QoS and request from the update alone"
+        owns = self.kubelet_keys
         decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True,
-                          kubelet_owns=self.kubelet_keys)
+                          kubelet_owns=owns)
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
-        record = partial(self._decision_record, dict, (base,), decision, **extra)
+        record = partial(self._decision_record, dict, (base,), decision, owns, **extra)
         out = request
         if decision.changed:
             _apply(resources, decision)
@@ -227,7 +236,7 @@ class ContainerMemoryQoS:
         call.audit, call.decision, call.parsed = record, decision, msg
         return out
 
-    def _describe(self, d: Decision) -> dict:
+    def _describe(self, d: Decision, owns) -> dict:
         return {
             "event": "rewrite" if d.changed else "unchanged",
             "qos": d.qos.value,
@@ -240,7 +249,7 @@ class ContainerMemoryQoS:
             "factor": self.node.factor,
             "page_size": self.node.page_size,
             "policy": self.policy.value,
-            **({"kubelet_owns": sorted(self.kubelet_keys)} if self.kubelet_keys else {}),
+            **({"kubelet_owns": sorted(owns)} if owns else {}),
             "unified_before": dict(d.unified_before),
             "unified_after": dict(d.unified_after),
             "reasons": dict(d.reasons),

@@ -3,6 +3,9 @@
 `emit()` is called on the CRI path, so it only puts the record on a bounded queue;
 a writer thread serializes and writes. If the writer falls behind by more than
 `max_pending` records, new records are dropped and counted (never block a call).
+
+A file target is opened without following a symlink (shim.effects.files): a symlink or a
+non-regular file there raises UnsafeFile at start. A new file is created 0640.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
+from shim.effects.files import open_append
 from shim.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -22,7 +26,7 @@ class AuditLog(Worker):
     """The audit log and its writer thread (``audit-writer``)."""
 
     def __init__(self, target: str | TextIO | None, *, max_pending: int = 10000):
-        """target: a file path (appended), "-" for stdout, an open text stream, or None (discard)."""
+        """target: a file path (appended; never through a symlink), "-" for stdout, an open text stream, or None (discard)."""
         super().__init__("audit-writer", max_pending=max_pending, logger=log)
         self._target = target
         self.dropped = 0
@@ -41,7 +45,7 @@ class AuditLog(Worker):
         elif self._target == "-":
             self._stream = sys.stdout
         elif isinstance(self._target, str):
-            self._stream = open(self._target, "a", encoding="utf-8", buffering=1)
+            self._stream = open(open_append(self._target, 0o640), "a", encoding="utf-8", buffering=1)
             self._owns_stream = True
         else:
             self._stream = self._target

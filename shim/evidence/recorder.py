@@ -13,7 +13,9 @@ is rotated: ``path`` -> ``path.1`` -> ... -> ``path.<keep>`` (the oldest is dele
 ``keep=0`` the file simply starts over). A recording already at ``path`` when the recorder
 starts is rotated the same way, so every file is one recording session. Each file starts
 with its own header line (node facts and the shim's settings), so each is a complete trace
-that ``memqos-shim replay`` and ``trace show`` can read on its own.
+that ``memqos-shim replay`` and ``trace show`` can read on its own. Files are opened without
+following a symlink (shim.effects.files; new files 0600: they hold whole requests); a symlink
+at ``path`` refuses the start, rotation renames (a rename never writes through a symlink).
 
 Which calls: by default every method except the high-volume polling calls in
 ``HIGH_VOLUME_METHODS`` (the kubelet's once-a-second relist, stats and status calls; in
@@ -34,6 +36,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from shim.effects.files import check_not_symlink, open_append
 from shim.evidence.trace import TraceCall, utc_now
 from shim.worker import Worker
 
@@ -132,9 +135,11 @@ class Recorder(Worker):
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> "Recorder":
         """Open the file (rotating a previous recording away) and start the writer.
-        Raises OSError when the file cannot be created: recording was asked for."""
+        Raises OSError when the file cannot be created: recording was asked for; UnsafeFile
+        when the path is a symlink or not a regular file."""
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
+        check_not_symlink(self.path)  # UnsafeFile: refused at start, never followed
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             self._rotate_files()
         self._open()
@@ -210,7 +215,9 @@ class Recorder(Worker):
         return (json.dumps(header, default=str) + "\n").encode("utf-8")
 
     def _open(self) -> None:
-        f = open(self.path, "ab")
+        # never through a symlink (one planted after a rotation fails this open: counted as a
+        # write error and retried at the next call); new files 0600: they hold whole requests
+        f = open(open_append(self.path, 0o600), "ab")
         try:
             data = self._header_bytes()
             f.write(data)

@@ -9,13 +9,15 @@ if someone else wrote memory.high meanwhile, as in any episode.
 
 The file holds what the monitor needs to find the container's cgroup again and the value to
 restore; it is written by the monitor's thread only when the set of open episodes changes
-(rare), atomically (a new file renamed over the old one), mode 0600. It is read once, at start,
+(rare), atomically (a new file, created with O_EXCL | O_NOFOLLOW, renamed over the old one:
+a symlink at the path is replaced, never written through), mode 0600. It is read once, at start,
 and trusted only if it is a regular file owned by the shim's user and writable by no one else
 (a forged file could otherwise make the guard write a tiny memory.high); every entry is checked
 (id, sizes, mode, value) and paths are validated like any request data when they are resolved.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -73,8 +75,10 @@ class EpisodeFile:
         except FileNotFoundError:
             return []
         except OSError as e:
-            self.problem = f"cannot open it: {e}"
-            log.warning("guard episodes: cannot open %s: %s; starting without them", self.path, e)
+            # a symlink is never followed; the next save renames a file over it
+            why = "it is a symbolic link (not followed)" if e.errno == errno.ELOOP else str(e)
+            self.problem = f"cannot open it: {why}"
+            log.warning("guard episodes: cannot open %s: %s; starting without them", self.path, why)
             return []
         try:
             st = os.fstat(fd)

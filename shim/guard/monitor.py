@@ -461,18 +461,25 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
         sources.append(lambda: refs_from_container_qos(container_qos))
     if reconciler is not None:
         sources.append(lambda: refs_from_reconciler(reconciler))
-    guard = guard_config(cfg)
-    owners = getattr(container_qos, "ownership", None)
-    kubelet_high = owners is not None and owners.owner("container memory.high") == "kubelet"
-    if kubelet_high and guard.action is GuardAction.RELAX:
-        # the kubelet is configured to set memory.high itself: relaxing it would fight the kubelet
-        log.warning("the kubelet owns container memory.high (%s): the guard reports crawls instead of relaxing",
-                    owners.reasons["container memory.high"])
-        guard = replace(guard, action=GuardAction.NONE)
+    guard = guard_for_ownership(cfg, getattr(container_qos, "ownership", None))
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
                    emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
                    reclaim=reclaim_config(cfg),
                    reclaim_audit_interval=cfg.reclaim_audit_interval)
+
+
+def guard_for_ownership(cfg, owners) -> GuardConfig:
+    """The guard's settings given who owns container memory.high (shim.node.kubelet.Ownership,
+    or None): a kubelet configured to set memory.high itself is not fought, ``relax`` acts as
+    ``none`` (crawls are reported). Serve replaces ``Monitor.guard`` with this when the
+    ownership changes (the kubelet's version found after start)."""
+    guard = guard_config(cfg)
+    kubelet_high = owners is not None and owners.owner("container memory.high") == "kubelet"
+    if kubelet_high and guard.action is GuardAction.RELAX:
+        log.warning("the kubelet owns container memory.high (%s): the guard reports crawls instead of relaxing",
+                    owners.reasons["container memory.high"])
+        guard = replace(guard, action=GuardAction.NONE)
+    return guard
 
 
 def episode_file(cfg) -> EpisodeFile | None:

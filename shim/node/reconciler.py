@@ -97,6 +97,12 @@ class _Resync:
         self.fresh = fresh
 
 
+class _NewOwnership:
+    def __init__(self, ownership, reason: str):
+        self.ownership = ownership
+        self.reason = reason
+
+
 class ReconcilerObserver:
     """The HookChain observer: finished() only enqueues (never parses, never blocks); the
     call's event (``shim.cri.events``) is made on the reconciler's thread."""
@@ -185,6 +191,12 @@ class Reconciler(Worker):
     def request_resync(self, reason: str = "requested", fresh: bool = False) -> None:
         self._queue.put(_Resync(reason, fresh))
 
+    def set_ownership(self, ownership, reason: str = "ownership changed") -> None:
+        """Recompute with a new Ownership (shim.node.kubelet; e.g. once the kubelet's version is
+        known): applied on the reconciler's thread; when the scopes left to the kubelet changed,
+        a resync follows (``reason`` is its trigger in the audit records)."""
+        self._queue.put(_NewOwnership(ownership, reason))
+
     # -- the thread
     def on_start(self) -> None:
         if self._client_factory is not None:
@@ -208,6 +220,9 @@ class Reconciler(Worker):
             if isinstance(it, _Resync):
                 if resync is None or (it.fresh and not resync.fresh):
                     resync = it
+            elif isinstance(it, _NewOwnership):
+                if self._take_ownership(it.ownership) and resync is None:
+                    resync = _Resync(it.reason, False)
             elif isinstance(it, FinishedCall):
                 changed, uid = self._guard(self._apply, it) or (False, None)
                 dirty |= changed
@@ -225,6 +240,17 @@ class Reconciler(Worker):
         elif dirty:
             self._guard(self._reconcile, "event", False)
         self._publish()
+
+    def _take_ownership(self, ownership) -> bool:
+        """Whether the scopes left to the kubelet changed."""
+        self.ownership = ownership
+        scopes = ownership.kubelet_scopes()
+        if scopes == self.kubelet_scopes:
+            return False
+        log.info("left to the kubelet now: %s (before: %s)", ", ".join(sorted(scopes)) or "nothing",
+                 ", ".join(sorted(self.kubelet_scopes)) or "nothing")
+        self.kubelet_scopes = scopes
+        return True
 
     def _publish(self) -> None:
         """Replace ``view`` when the containers of the node state changed."""

@@ -1,0 +1,164 @@
+"""The files the shim writes (audit log, trace recorder, guard state) are never written through
+a symlink planted at their path: refused at start (serve exits 2 with a message), or replaced
+by a rename; the link's target stays untouched. New files get a private mode."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shim.effects.files import UnsafeFile, open_append
+from shim.evidence.audit import AuditLog
+from shim.evidence.recorder import Recorder
+from shim.guard.episodes import Episode, EpisodeFile
+from shim.transport.hooks import FinishedCall
+
+TARGET_TEXT = "precious\n"
+
+
+def planted(tmp_path: Path, name: str, *, dangling: bool = False) -> tuple[Path, Path]:
+    """(a symlink at tmp_path/name, its target): an existing file, or one that does not exist."""
+    target = tmp_path / f"target-of-{name}"
+    if not dangling:
+        target.write_text(TARGET_TEXT)
+    link = tmp_path / name
+    link.symlink_to(target)
+    return link, target
+
+
+def untouched(target: Path, dangling: bool) -> bool:
+    return not target.exists() if dangling else target.read_text() == TARGET_TEXT
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["existing-target", "dangling"])
+def test_the_audit_log_is_not_written_through_a_symlink(tmp_path, dangling):
+    link, target = planted(tmp_path, "audit.jsonl", dangling=dangling)
+    log = AuditLog(str(link))
+    with pytest.raises(UnsafeFile, match="symbolic link"):
+        log.start()
+    assert untouched(target, dangling) and link.is_symlink()
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["existing-target", "dangling"])
+def test_the_recorder_does_not_start_on_a_symlink(tmp_path, dangling):
+    # an empty target: a non-empty one would be rotated away (renamed, not followed)
+    target = tmp_path / "target-of-calls.jsonl"
+    if not dangling:
+        target.write_text("")
+    link = tmp_path / "calls.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(UnsafeFile, match="symbolic link"):
+        Recorder(str(link), {"format": "cri-trace"}).start()
+    assert (not target.exists()) if dangling else target.read_text() == ""
+    assert link.is_symlink()
+
+
+def _call():
+    return FinishedCall("/runtime.v1.RuntimeService/RunPodSandbox", 1763702400.5, 1.25, b"x" * 300, None, [b""],
+                        "OK", "")
+
+
+def test_recorder_rotation_replaces_planted_symlinks_and_never_writes_through_them(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    rec = Recorder(str(path), {"format": "cri-trace"}, max_bytes=600, keep=2, methods=".")
+    rec.start()
+    try:
+        links = {}
+        for name in ("calls.jsonl.1", "calls.jsonl.2"):
+            links[name] = planted(tmp_path, name)
+        for _ in range(6):
+            rec.finished(_call())
+        assert rec.flush(10)
+    finally:
+        rec.close()
+    assert rec.rotations >= 2
+    for link, target in links.values():
+        assert target.read_text() == TARGET_TEXT
+        assert not link.is_symlink()  # the rotation renamed a trace file over the link
+
+
+def test_a_symlink_planted_where_the_recorder_reopens_is_refused_not_followed(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    rec = Recorder(str(path), {"format": "cri-trace"}, max_bytes=10**6, keep=1, methods=".")
+    rec.start()
+    try:
+        # the open file goes away and a symlink takes its place before the next open
+        rec._file.close()  # noqa: SLF001  (the state after a failed rotation)
+        rec._file = None  # noqa: SLF001
+        path.unlink()
+        link, target = planted(tmp_path, "calls.jsonl")
+        rec.finished(_call())
+        assert rec.flush(10)
+    finally:
+        rec.close()
+    assert target.read_text() == TARGET_TEXT and link.is_symlink()
+    assert rec.write_errors == 1 and rec.recorded == 0
+
+
+def test_new_files_get_a_private_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        log = AuditLog(str(tmp_path / "audit.jsonl")).start()
+        log.emit({"event": "x"})
+        log.close()
+        Recorder(str(tmp_path / "calls.jsonl"), {"format": "cri-trace"}).start().close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "audit.jsonl").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "calls.jsonl").stat().st_mode) == 0o600
+
+
+def test_open_append_refuses_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UnsafeFile, match="not a regular file"):
+        open_append(str(fifo))  # no reader: refused at once, not blocked
+    with pytest.raises(UnsafeFile, match="directory"):
+        open_append(str(tmp_path))
+
+
+def test_guard_state_is_never_written_through_a_symlink(tmp_path):
+    link, target = planted(tmp_path, "guard-episodes.json")
+    f = EpisodeFile(str(link))
+    assert f.load() == [] and "symbolic link" in f.problem
+    ref = {k: "x" for k in ("id", "namespace", "pod", "container", "uid", "cgroup_parent", "qos")}
+    assert f.save([Episode(ref, "relaxed", 1 << 20)])
+    assert target.read_text() == TARGET_TEXT
+    assert not link.is_symlink() and stat.S_IMODE(link.stat().st_mode) == 0o600
+    assert [e.restore_high for e in EpisodeFile(str(link)).load()] == [1 << 20]
+
+
+# -- serve refuses at start ------------------------------------------------------------------------
+def serve(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")
+    return subprocess.run(
+        [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{tmp_path}/s.sock",
+         "--upstream", f"unix://{tmp_path}/rt.sock", "--kubelet-config", "none", "--cgroup-root", str(tmp_path),
+         "--meminfo", str(tmp_path / "meminfo"), "--kubelet-version", "1.30", *extra],
+        capture_output=True, text=True, timeout=20)
+
+
+@pytest.mark.parametrize("what", ["audit-log", "record", "audit-log-fifo"])
+def test_serve_exits_2_when_a_file_it_writes_is_a_symlink(tmp_path, what):
+    if what == "audit-log-fifo":
+        os.mkfifo(tmp_path / "audit.jsonl")
+        out = serve(tmp_path, "--audit-log", str(tmp_path / "audit.jsonl"))
+        assert out.returncode == 2 and "not a regular file" in out.stderr
+        return
+    if what == "record":
+        target = tmp_path / "target"
+        target.write_text("")
+        (tmp_path / "calls.jsonl").symlink_to(target)
+        out = serve(tmp_path, "--audit-log", "none", "--record", str(tmp_path / "calls.jsonl"))
+        assert target.read_text() == ""
+    else:
+        link, target = planted(tmp_path, "audit.jsonl")
+        out = serve(tmp_path, "--audit-log", str(link))
+        assert target.read_text() == TARGET_TEXT
+    assert out.returncode == 2, out.stderr
+    assert "is a symbolic link; refusing to write through it" in out.stderr
+    assert not (tmp_path / "s.sock").exists()
