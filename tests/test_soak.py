@@ -104,7 +104,7 @@ def test_probes_are_run_when_the_tree_has_them(monkeypatch, tmp_path, capsys):
     stack = types.SimpleNamespace(shim_sock=tmp_path / "shim.sock", runtime_sock=tmp_path / "rt.sock",
                                   shim=types.SimpleNamespace(pid=4242), transport="relay")
     monkeypatch.setattr(soak_main, "PROBES_MODULE", "soak_test_no_such_probes")
-    soak_main.run_probes(stack)
+    assert soak_main.run_probes(stack)
     assert "h2 limit probes: not available in this tree" in capsys.readouterr().out
     (tmp_path / "soak_test_probes.py").write_text(
         "seen = []\n"
@@ -113,7 +113,7 @@ def test_probes_are_run_when_the_tree_has_them(monkeypatch, tmp_path, capsys):
         "    return [('limit', 'tripped after', '1 MiB')]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(soak_main, "PROBES_MODULE", "soak_test_probes")
-    soak_main.run_probes(stack)
+    assert soak_main.run_probes(stack)
     import soak_test_probes
 
     assert soak_test_probes.seen == [(str(tmp_path / "shim.sock"), 4242, None)]

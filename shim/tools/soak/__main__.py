@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(1.0)  # let the audit writer and the reconciler catch up before the last reading
         rss_end = stack.shim_rss_kib()
         summary(args, tally, faults, stack, rss_start, warm, rss_end, rss_max, elapsed, failures)
-        if args.probes:
-            run_probes(stack)
+        if args.probes and not run_probes(stack):
+            return 1
         if tally.counts[LOST] or tally.counts[MANGLED] or failures:
             return 1
         if warm is None or growth_per_100k(warm, rss_end, tally.total) >= args.max_growth_mib:
@@ -171,13 +171,14 @@ def summary(args, tally: Tally, faults: Faults, stack: Stack, rss_start: int, wa
         print(f"  FAILED: {f}")
 
 
-def run_probes(stack: Stack) -> None:
+def run_probes(stack: Stack) -> bool:
     """The HTTP/2 limit probes (``shim.tools.h2_limits.run_probes``) against this shim, when the
-    tree has them: their arguments are matched by name to what the soak knows."""
+    tree has them: their arguments are matched by name to what the soak knows. False if they
+    raised."""
     print()
     if importlib.util.find_spec(PROBES_MODULE) is None:
         print("h2 limit probes: not available in this tree")
-        return
+        return True
     mod = importlib.import_module(PROBES_MODULE)
     known = {"socket": str(stack.shim_sock), "shim_socket": str(stack.shim_sock), "path": str(stack.shim_sock),
              "target": f"unix://{stack.shim_sock}", "listen": f"unix://{stack.shim_sock}",
@@ -185,12 +186,17 @@ def run_probes(stack: Stack) -> None:
              "transport": stack.transport, "upstream": f"unix://{stack.runtime_sock}"}
     params = inspect.signature(mod.run_probes).parameters
     kwargs = {k: v for k, v in known.items() if k in params}
-    result = mod.run_probes(**kwargs)
+    try:
+        result = mod.run_probes(**kwargs)
+    except Exception as e:  # noqa: BLE001 - reported, and the run fails
+        print(f"h2 limit probes failed: {e.__class__.__name__}: {e}")
+        return False
     if isinstance(result, str):
         print(result)
     elif result is not None:
         for row in result:
             print("  " + ("  ".join(str(x) for x in row) if isinstance(row, (tuple, list)) else str(row)))
+    return True
 
 
 if __name__ == "__main__":
