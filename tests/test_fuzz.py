@@ -16,11 +16,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
+import socket
+import tempfile
+import threading
 
 import hpack
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from shim.app.service import HookChain, build_container_qos
@@ -30,6 +34,7 @@ from shim.decision import NodeFacts, Policy
 from shim.testing.kubelet_requests import create_container, sandbox_config, update_resources
 from shim.transport.hooks import RpcCall, guarded_rewrite
 from shim.transport.relay import PREFACE, Buffer, Connection, RelayProxy
+from shim.transport.unary_client import CallError, UnaryClient
 from shim.transport.wire.h2 import (
     CONTINUATION,
     DATA,
@@ -259,6 +264,59 @@ def test_refused_connection_survives_any_client_stream(data):
             conn.from_client(piece)
     assert not errors, [r.getMessage() for r in errors]
     assert len(conn.cbuf) <= len(stream)
+
+
+class HostileRuntime:
+    """A unix socket server that answers every connection with the bytes it is given."""
+
+    def __init__(self, path: str) -> None:
+        self.reply = b""
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                try:
+                    c.settimeout(2)
+                    c.recv(65536)
+                    c.sendall(self.reply)
+                    c.shutdown(socket.SHUT_WR)
+                    c.recv(65536)
+                except OSError:
+                    pass
+
+
+@pytest.fixture(scope="module")
+def hostile_runtime():
+    d = tempfile.mkdtemp(prefix="mqfz-")
+    server = HostileRuntime(os.path.join(d, "rt.sock"))
+    yield server, "unix://" + os.path.join(d, "rt.sock")
+    server.sock.close()
+
+
+@settings(FUZZ, max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(streams)
+@example(frame(DATA, PADDED, 1, b""))  # raised IndexError out of call() (tests/test_h2_padding.py)
+def test_unary_client_gives_a_status_whatever_the_runtime_sends(hostile_runtime, stream):
+    """The reconciler's client against a runtime that sends anything after its SETTINGS: an
+    answer or a CallError (a gRPC status), nothing else, within the call's timeout."""
+    server, address = hostile_runtime
+    server.reply = frame(SETTINGS, 0, 0) + stream
+    client = UnaryClient(address)
+    try:
+        with alarm(10):
+            client.call("/runtime.v1.RuntimeService/Version", b"", 2.0)
+    except CallError:
+        pass
+    finally:
+        client.close()
 
 
 # The bounds issue 19 item 3 gives the relay (another change): a header block is at most 1 MiB
