@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         for w in workers:
             w.start()
         rss_start = stack.shim_rss_kib()
-        warm = None  # (calls, RSS KiB, seconds)
+        warm = half = None  # (calls, RSS KiB, seconds) after warm-up, half-way from there
         last_log = time.monotonic()
         rss_max = rss_start
         while any(w.is_alive() for w in workers):
@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             rss = stack.shim_rss_kib()
             if warm is None and n >= args.warmup:
                 warm = (n, rss, time.monotonic() - t_start)
+            if half is None and n >= (args.warmup + args.calls) / 2:
+                half = (n, rss, time.monotonic() - t_start)
             if warm is not None:
                 rss_max = max(rss_max, rss)
             if not stack.shim_alive():
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             stack.start_upstream()
         time.sleep(1.0)  # let the audit writer and the reconciler catch up before the last reading
         rss_end = stack.shim_rss_kib()
-        summary(args, tally, faults, stack, rss_start, warm, rss_end, rss_max, elapsed, failures)
+        summary(args, tally, faults, stack, rss_start, warm, half, rss_end, rss_max, elapsed, failures)
         if args.probes and not run_probes(stack):
             return 1
         if tally.counts[LOST] or tally.counts[MANGLED] or failures:
@@ -129,8 +131,8 @@ def growth_per_100k(warm: tuple, rss_end: int, calls: int) -> float:
     return (rss_end - rss0) / 1024 / max(1, calls - n0) * 100_000
 
 
-def summary(args, tally: Tally, faults: Faults, stack: Stack, rss_start: int, warm, rss_end: int, rss_max: int,
-            elapsed: float, failures: list[str]) -> None:
+def summary(args, tally: Tally, faults: Faults, stack: Stack, rss_start: int, warm, half, rss_end: int,
+            rss_max: int, elapsed: float, failures: list[str]) -> None:
     c = tally.counts
     rows = [
         ("transport", args.transport),
@@ -154,6 +156,9 @@ def summary(args, tally: Tally, faults: Faults, stack: Stack, rss_start: int, wa
             ("RSS growth per 100k calls", f"{g:+.2f} MiB over {tally.total - n0} calls "
                                           f"(limit {args.max_growth_mib:g} MiB)"),
         ]
+        if half is not None and tally.total > half[0]:
+            rows.append(("  over the second half", f"{growth_per_100k(half, rss_end, tally.total):+.2f} MiB "
+                                                   f"({half[1] / 1024:.1f} MiB after {half[0]} calls)"))
     else:
         rows.append(("RSS after warm-up", f"not reached ({args.warmup} calls)"))
     width = max(len(k) for k, _ in rows)
