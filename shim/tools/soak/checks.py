@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from shim.app.config import OPTIONS
 from shim.cri import pb
 from shim.cri.facts import container_facts, pod_facts
 from shim.decision import Decision, Policy, decide
@@ -19,7 +20,9 @@ class Expect:
     """The node facts, policy and kubelet-owned keys `serve` derives from the stack's files,
     read the way it reads them, and the decision for a request made with them."""
 
-    def __init__(self, stack: Stack, policy: Policy = Policy.HARD) -> None:
+    def __init__(self, stack: Stack, policy: Policy | None = None) -> None:
+        if policy is None:  # `serve`'s default, as the soak does not set one
+            policy = next(o.default for o in OPTIONS if o.name == "policy")
         kubelet = load_kubelet_config(str(stack.kubelet_config))
         self.node = node_facts(read_mem_total(str(stack.meminfo)), kubelet, page_size=PAGE)
         self.policy = policy
