@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -299,6 +300,7 @@ def hostile_runtime():
     server = HostileRuntime(os.path.join(d, "rt.sock"))
     yield server, "unix://" + os.path.join(d, "rt.sock")
     server.sock.close()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @settings(FUZZ, max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
