@@ -21,6 +21,7 @@ an object the runtime lost in a restart, which a kubelet sees and re-lists after
 (``/proc/PID/status`` VmRSS) is read once ``--warmup`` calls are done and at the end.
 
 Exit status 0 when no call was lost or mangled and RSS grew by less than ``--max-growth-mib``
-per 100k calls after warm-up; 1 otherwise. ``--probes`` runs the HTTP/2 limit probes of
+per 100k calls after warm-up; 1 otherwise (also when the warm-up was never reached, the shim
+or the runtime died, or the probes raised). ``--probes`` runs the HTTP/2 limit probes of
 ``shim.tools.h2_limits`` (when this tree has them) against the same shim afterwards.
 """
