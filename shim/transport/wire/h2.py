@@ -111,12 +111,16 @@ def header_block(data, ftype: int, flags: int, pos: int, end: int) -> bytes:
     start = pos + 9
     stop = first_end
     if flags & PADDED:
+        if start == stop:
+            raise ProtocolError("padded header frame without a pad length")
         stop -= data[start]
         start += 1
     if ftype == PUSH_PROMISE:
         start += 4
     elif flags & PRIORITY_FLAG:
         start += 5
+    if start > stop:  # RFC 9113 6.2, 6.6: padding or priority beyond the frame
+        raise ProtocolError("header frame padding or priority longer than the frame")
     if first_end == end:
         return data[start:stop]
     block = bytearray(data[start:stop])
@@ -129,8 +133,11 @@ def header_block(data, ftype: int, flags: int, pos: int, end: int) -> bytes:
 
 
 def data_payload(data, flags: int, pos: int, end: int) -> memoryview:
-    """A DATA frame's payload without padding, by reference."""
+    """A DATA frame's payload without padding, by reference. Padding that leaves no room (or
+    no pad length) is a PROTOCOL_ERROR (RFC 9113 6.1)."""
     if flags & PADDED:
+        if end - pos < 10 or data[pos + 9] >= end - pos - 9:
+            raise ProtocolError("DATA padding as long as the frame or longer")
         return memoryview(data)[pos + 10:end - data[pos + 9]]
     return memoryview(data)[pos + 9:end]
 
