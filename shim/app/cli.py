@@ -34,8 +34,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from shim.app.limits import raise_nofile_limit
     from shim.app.service import Service
 
+    raise_nofile_limit(cfg.max_connections)
     try:
         service = Service.from_config(cfg)
     except (OSError, ValueError) as e:
