@@ -225,6 +225,12 @@ class _LiveCollector:
                 "further calls RESOURCE_EXHAUSTED)")
             c.add_metric([], float(t.rpcs_at_limit))
             yield c
+        trimmer = getattr(t, "trimmer", None)
+        if trimmer is not None:
+            c = CounterMetricFamily("memqos_transport_heap_trims",
+                                    "times the grpc transport gave freed heap memory back (malloc_trim)")
+            c.add_metric([], float(trimmer.trims))
+            yield c
 
     @staticmethod
     def _reclaim(mon, snap):

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from shim.transport.heap import HeapTrimmer
 from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import CallHooks, MethodShape, RpcCall, guarded_finished, guarded_rewrite
 from shim.transport.unixsock import ThrottledLog, bind_staged, remove_if_ours, resolve_gid, transport_endpoints
@@ -140,6 +141,9 @@ class CriProxy:
         self.in_flight = 0
         self.in_flight_peak = 0
         self.rpcs_at_limit = 0
+        # grpc core's memory for streams reset before any handler ran (rapid reset) is freed
+        # but kept by glibc: given back to the system when the resident size grew
+        self.trimmer = HeapTrimmer()
         self._at_limit = ThrottledLog("concurrent call limit reached", level=logging.WARNING,
                                       outcome="further calls are answered RESOURCE_EXHAUSTED until one ends")
         self.hooks = hooks
@@ -188,6 +192,7 @@ class CriProxy:
             self._remove_socket()
             raise
         self._server = server
+        self.trimmer.start()
         log.info(
             "CRI proxy serving on %s (mode %#o%s), upstream %s, at most %d calls at once and %d streams "
             "per connection",
@@ -205,6 +210,7 @@ class CriProxy:
         if self._server is None or self._stopped:
             return
         self._stopped = True
+        self.trimmer.stop()
         try:
             await self._server.stop(grace)
         finally:

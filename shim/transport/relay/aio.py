@@ -17,6 +17,7 @@ import socket
 import time
 from typing import Iterable
 
+from shim.transport.heap import trim_heap
 from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import (
     CallHooks,
@@ -55,24 +56,6 @@ def shed_frames(why: str) -> bytes:
     a client may retry every one), with ``why`` as its debug data."""
     return frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, bytes(4) + ENHANCE_YOUR_CALM.to_bytes(4, "big")
                                          + why.encode()[:256])
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc ``malloc_trim``): start-up and
-    large messages leave freed memory that glibc would otherwise keep."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 def _shed(sock: socket.socket, frames: bytes) -> None:
