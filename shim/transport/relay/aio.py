@@ -1,7 +1,9 @@
 """The asyncio layer of the relay: sockets in, ``Connection`` fed, its writes to the sockets.
 
-``RelayProxy`` listens on the CRI socket; each kubelet connection gets a ``_ClientSide``
-protocol, which opens the upstream connection (``_UpstreamSide``) and, once it exists, hands
+``RelayProxy`` listens on the CRI socket (``listener.py`` accepts); each kubelet connection below
+``max_connections`` gets its upstream socket at once (a connection is taken only with both of
+its descriptors: what cannot be paired, or is one too many, is sent GOAWAY, closed and counted)
+and a ``_ClientSide`` protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands
 both transports' bytes to the connection's sans-I/O ``Connection``, whose writers are the
 transports themselves (no copy in between). What it keeps for itself: what the kubelet sends
 while the upstream connects (reading paused beyond ``READ_PAUSE_BYTES``), the switch to the
@@ -374,7 +376,6 @@ class RelayProxy:
         sock.close()
         if not task.cancelled() and task.exception() is not None:
             self._accept_failed("a new kubelet connection", repr(task.exception()))
-
 
     # ----------------------------------------------------------------- lifecycle
 
