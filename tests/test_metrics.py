@@ -410,6 +410,10 @@ def test_serve_metrics_endpoint_end_to_end(tmp_path):
             assert value(ss, "memqos_cgroup_writes_total", level="pod", file="memory.min") == 1
             assert (cg / "kubepods" / "burstable" / f"pod{uid}" / "memory.min").read_text().strip() == str(64 * MI)
             assert value(ss, "memqos_reconciler_lag_seconds") is not None
+            # the relay's limits, read from its public counters (the test's client holds a connection)
+            assert value(ss, "memqos_transport_max_connections") == 128
+            assert value(ss, "memqos_transport_connections") >= 1
+            assert value(ss, "memqos_transport_connections_shed_total", reason="limit") == 0
             assert value(ss, "memqos_container_memory_high_bytes", **c) == math.inf  # the guard's max
             assert value(ss, "memqos_container_memory_min_bytes", **c) == 64 * MI
             assert value(ss, "memqos_container_memory_max_bytes", **c) == 256 * MI

@@ -34,9 +34,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from shim.app.limits import raise_nofile_limit
     from shim.app.service import Service
     from shim.effects.files import UnsafeFile
 
+    raise_nofile_limit(cfg.max_connections)
     try:
         service = Service.from_config(cfg)
     except UnsafeFile as e:  # a symlink where the shim writes: a configuration problem

@@ -259,6 +259,16 @@ OPTIONS: tuple[Option, ...] = (
            "how calls are relayed: relay (an HTTP/2 connection relay that decodes headers and holds only "
            "CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a grpcio server and "
            "channel per call; about +0.6 ms)"),
+    Option("max-connections", "int", 128, _positive_int,
+           "kubelet connections the relay serves at once (--transport relay; the kubelet keeps one or two, "
+           "crictl and doctor add one each while they run); a connection beyond it is sent GOAWAY and closed at "
+           "once, the open ones are served", "N"),
+    Option("max-concurrent-rpcs", "int", 1000, _positive_int,
+           "calls the grpc transport serves at once over all connections (--transport grpc); a call beyond it "
+           "is answered RESOURCE_EXHAUSTED", "N"),
+    Option("max-concurrent-streams", "int", 1000, _positive_int,
+           "streams one kubelet connection may have open at once (--transport grpc; HTTP/2 "
+           "SETTINGS_MAX_CONCURRENT_STREAMS)", "N"),
     Option("socket-mode", "int | None", None, _octal_mode,
            "socket mode (octal); default 0600, or 0660 with --socket-group"),
     Option("meminfo", "str", "/proc/meminfo", str, "where MemTotal is read from"),

@@ -182,7 +182,8 @@ class Service:
             from shim.transport.relay import RelayProxy
 
             self.proxy = RelayProxy(self.cfg.listen, self.cfg.upstream, self.hooks, methods=CRI_METHODS,
-                                    socket_mode=mode, socket_group=self.cfg.socket_group)
+                                    socket_mode=mode, socket_group=self.cfg.socket_group,
+                                    max_connections=self.cfg.max_connections)
             factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop
             if factory is not None:
                 self.proxy = ThreadedProxy(self.proxy, factory, name="cri-relay")
@@ -190,7 +191,11 @@ class Service:
             from shim.transport.proxy import CriProxy
 
             self.proxy = CriProxy(self.cfg.listen, self.cfg.upstream, self.hooks, methods=CRI_METHODS,
-                                  socket_mode=mode, socket_group=self.cfg.socket_group)
+                                  socket_mode=mode, socket_group=self.cfg.socket_group,
+                                  max_concurrent_rpcs=self.cfg.max_concurrent_rpcs,
+                                  max_concurrent_streams=self.cfg.max_concurrent_streams)
+        if self.metrics is not None:
+            self.metrics.attach(transport=self.proxy)
         await self.proxy.start()
         log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
         # everything below happens while calls are already forwarded

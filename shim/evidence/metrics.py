@@ -108,6 +108,8 @@ class _LiveCollector:
                                           "audit records dropped because the writer was behind")
             dropped.add_metric([], float(audit.dropped))
             yield dropped
+        if m.transport is not None:
+            yield from self._transport(m.transport)
         rec = m.reconciler
         if rec is not None:
             resyncs = CounterMetricFamily("memqos_reconciler_resyncs", "completed reconciler resyncs with the runtime")
@@ -199,6 +201,45 @@ class _LiveCollector:
             yield from self._reclaim(mon, snap)
 
     @staticmethod
+    def _transport(t):
+        """The transport's limits: the relay's connections and the ones it shed, the grpc
+        transport's calls in progress (public counters of either; absent ones are left out)."""
+        connections = getattr(t, "connections", None)
+        if connections is not None:
+            g = GaugeMetricFamily("memqos_transport_connections", "kubelet connections the relay serves now")
+            g.add_metric([], float(len(connections)))
+            yield g
+            g = GaugeMetricFamily("memqos_transport_max_connections", "the relay's --max-connections")
+            g.add_metric([], float(t.max_connections))
+            yield g
+            c = CounterMetricFamily(
+                "memqos_transport_connections_shed",
+                "connections sent GOAWAY and closed at once: beyond --max-connections (limit), or for want of "
+                "a file descriptor for the kubelet's side or the runtime's (descriptors)", labels=("reason",))
+            c.add_metric(["limit"], float(t.shed_limit))
+            c.add_metric(["descriptors"], float(t.shed_descriptors))
+            yield c
+        if getattr(t, "in_flight", None) is not None:
+            g = GaugeMetricFamily("memqos_transport_calls_in_flight", "calls the grpc transport is relaying now")
+            g.add_metric([], float(t.in_flight))
+            yield g
+            g = GaugeMetricFamily("memqos_transport_max_concurrent_calls", "the grpc transport's --max-concurrent-rpcs")
+            g.add_metric([], float(t.max_concurrent_rpcs))
+            yield g
+            c = CounterMetricFamily(
+                "memqos_transport_calls_at_limit",
+                "calls that brought the grpc transport to --max-concurrent-rpcs (until one ends, grpc answers "
+                "further calls RESOURCE_EXHAUSTED)")
+            c.add_metric([], float(t.rpcs_at_limit))
+            yield c
+        trimmer = getattr(t, "trimmer", None)
+        if trimmer is not None:
+            c = CounterMetricFamily("memqos_transport_heap_trims",
+                                    "times the grpc transport gave freed heap memory back (malloc_trim)")
+            c.add_metric([], float(trimmer.trims))
+            yield c
+
+    @staticmethod
     def _reclaim(mon, snap):
         """Proactive reclaim (only with --reclaim true): the monitor's running totals."""
         tot = dict(mon.reclaim_totals)
@@ -265,6 +306,7 @@ class Metrics:
         self.audit = None
         self.monitor = None
         self.reconciler = None
+        self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
         r.register(_LiveCollector(self))
         self.observer = CriObserver(self)
         self._server = None
@@ -272,7 +314,7 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     # -- wiring
-    def attach(self, *, audit=None, monitor=None, reconciler=None) -> "Metrics":
+    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None) -> "Metrics":
         if audit is not None:
             self.audit = audit
             audit.add_listener(self.on_audit)
@@ -291,6 +333,8 @@ class Metrics:
                                          f"{rc.backoff:g}").set(1)
         if reconciler is not None:
             self.reconciler = reconciler
+        if transport is not None:
+            self.transport = transport
         return self
 
     def timed(self, rewriter) -> TimedRewriter:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from shim.transport.heap import HeapTrimmer
 from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import CallHooks, MethodShape, RpcCall, guarded_finished, guarded_rewrite
 from shim.transport.unixsock import ThrottledLog, bind_staged, remove_if_ours, resolve_gid, transport_endpoints
@@ -41,6 +42,13 @@ _CHANNEL_BACKOFF_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+# Calls served at once over every connection (grpc.aio.server's maximum_concurrent_rpcs: beyond it a
+# call is answered RESOURCE_EXHAUSTED before any handler runs), and streams one connection may have
+# open (SETTINGS_MAX_CONCURRENT_STREAMS). The kubelet's own concurrency (probes, stats, event and
+# exec streams) stays far below both.
+MAX_CONCURRENT_RPCS = 1000
+MAX_CONCURRENT_STREAMS = 1000
 
 # Metadata the gRPC transport owns: never copied from one call to the other.
 _RESERVED_KEYS = frozenset({"user-agent", "content-type", "te", "host", "connection"})
@@ -110,6 +118,8 @@ class CriProxy:
         socket_mode: int = 0o600,
         socket_group: str | int | None = None,
         max_message_bytes: int = 128 * 1024 * 1024,
+        max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+        max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
     ) -> None:
         self.listen_path, upstream_path, self.socket_mode = transport_endpoints(
             listen, upstream, socket_mode, socket_group
@@ -119,6 +129,23 @@ class CriProxy:
         if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be a positive int, not {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
+        for name, value in (("max_concurrent_rpcs", max_concurrent_rpcs),
+                            ("max_concurrent_streams", max_concurrent_streams)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, not {value!r}")
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.max_concurrent_streams = max_concurrent_streams
+        # public counters (read by the metrics): calls in a relay handler now, the most at once,
+        # and the calls that brought the count to max_concurrent_rpcs (until one of them ends,
+        # grpc answers every further call RESOURCE_EXHAUSTED without running a handler)
+        self.in_flight = 0
+        self.in_flight_peak = 0
+        self.rpcs_at_limit = 0
+        # grpc core's memory for streams reset before any handler ran (rapid reset) is freed
+        # but kept by glibc: given back to the system when the resident size grew
+        self.trimmer = HeapTrimmer()
+        self._at_limit = ThrottledLog("concurrent call limit reached", level=logging.WARNING,
+                                      outcome="further calls are answered RESOURCE_EXHAUSTED until one ends")
         self.hooks = hooks
         self.methods = tuple(methods)
         self.held_methods = frozenset(hooks.held_methods)
@@ -145,14 +172,16 @@ class CriProxy:
         channel = grpc.aio.insecure_channel(
             self.upstream_target, options=size_options + _CHANNEL_BACKOFF_OPTIONS
         )
-        server = grpc.aio.server(options=size_options)
+        server = grpc.aio.server(
+            options=size_options + (("grpc.max_concurrent_streams", self.max_concurrent_streams),),
+            maximum_concurrent_rpcs=self.max_concurrent_rpcs)
         try:
             by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
             for m in self.methods:
                 by_service.setdefault(m.service, {})[m.name] = self._method_handler(channel, m)
             for service, handlers in by_service.items():
                 server.add_registered_method_handlers(service, handlers)
-            server.add_generic_rpc_handlers([_GenericRelay(self._relay_any_method)])
+            server.add_generic_rpc_handlers([_GenericRelay(self._counted(self._relay_any_method))])
             self._channel = channel
             self._bind(server, gid)
             await server.start()
@@ -163,12 +192,16 @@ class CriProxy:
             self._remove_socket()
             raise
         self._server = server
+        self.trimmer.start()
         log.info(
-            "CRI proxy serving on %s (mode %#o%s), upstream %s",
+            "CRI proxy serving on %s (mode %#o%s), upstream %s, at most %d calls at once and %d streams "
+            "per connection",
             self.listen_path,
             self.socket_mode,
             "" if gid is None else f", group {gid}",
             self.upstream_target,
+            self.max_concurrent_rpcs,
+            self.max_concurrent_streams,
         )
 
     async def stop(self, grace: float | None = None) -> None:
@@ -177,6 +210,7 @@ class CriProxy:
         if self._server is None or self._stopped:
             return
         self._stopped = True
+        self.trimmer.stop()
         try:
             await self._server.stop(grace)
         finally:
@@ -207,15 +241,33 @@ class CriProxy:
     # ----------------------------------------------------------------- relays
 
     def _method_handler(self, channel: grpc.aio.Channel, m) -> grpc.RpcMethodHandler:
+        counted = self._counted
         if m.client_streaming:  # none in runtime.v1; relay like an unknown method if one appears
-            return grpc.stream_stream_rpc_method_handler(functools.partial(self._relay_any_method, m.path))
+            return grpc.stream_stream_rpc_method_handler(counted(functools.partial(self._relay_any_method, m.path)))
         if m.server_streaming:
             upstream = channel.unary_stream(m.path, _registered_method=True)
-            return grpc.unary_stream_rpc_method_handler(self._stream_relay(m.path, upstream))
+            return grpc.unary_stream_rpc_method_handler(counted(self._stream_relay(m.path, upstream)))
         upstream = channel.unary_unary(m.path, _registered_method=True)
         return grpc.unary_unary_rpc_method_handler(
-            self._unary_relay(m.path, upstream, m.path in self.held_methods)
+            counted(self._unary_relay(m.path, upstream, m.path in self.held_methods))
         )
+
+    def _counted(self, handler: Callable) -> Callable:
+        """``handler`` counted in ``in_flight`` while it runs."""
+
+        async def counted(*args):
+            n = self.in_flight = self.in_flight + 1
+            if n > self.in_flight_peak:
+                self.in_flight_peak = n
+            if n >= self.max_concurrent_rpcs:
+                self.rpcs_at_limit += 1
+                self._at_limit("a call", f"{n} calls in progress, the limit is {self.max_concurrent_rpcs}")
+            try:
+                return await handler(*args)
+            finally:
+                self.in_flight -= 1
+
+        return counted
 
     def _rewritten(self, call: RpcCall) -> bytes:
         """What goes upstream: the hook's bytes, or the original ones if the hook fails."""

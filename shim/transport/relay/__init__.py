@@ -42,7 +42,11 @@ to two writers, the owner told what happened), its work split by direction into
 ``client_side.py`` and ``server_side.py``, with ``hold.py`` (held requests rewritten),
 ``windows.py`` (the flow-control windows), ``refuse.py`` (the UNAVAILABLE server side) and
 ``calls.py`` (one call's state), ``writes.py`` (what it writes to); ``aio.py`` is the asyncio
-layer (sockets, ``RelayProxy``).
+layer (sockets, ``RelayProxy``), ``listener.py`` its accept loop. A connection is taken only
+with both its descriptors (the kubelet's side and the runtime's socket, made at accept) and
+only below ``max_connections``; otherwise it gets the server preface and GOAWAY
+ENHANCE_YOUR_CALM saying why, is closed and counted (``shed_limit``, ``shed_descriptors``),
+and the open connections go on being served.
 Frames and gRPC messages are read and built by ``shim.transport.wire``.
 
 Flow control. The relay only touches the client-to-server direction's windows, and only

@@ -1,7 +1,9 @@
 """The asyncio layer of the relay: sockets in, ``Connection`` fed, its writes to the sockets.
 
-``RelayProxy`` listens on the CRI socket; each kubelet connection gets a ``_ClientSide``
-protocol, which opens the upstream connection (``_UpstreamSide``) and, once it exists, hands
+``RelayProxy`` listens on the CRI socket (``listener.py`` accepts); each kubelet connection below
+``max_connections`` gets its upstream socket at once (a connection is taken only with both of
+its descriptors: what cannot be paired, or is one too many, is sent GOAWAY, closed and counted)
+and a ``_ClientSide`` protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands
 both transports' bytes to the connection's sans-I/O ``Connection``, whose writers are the
 transports themselves (no copy in between). What it keeps for itself: what the kubelet sends
 while the upstream connects (reading paused beyond ``READ_PAUSE_BYTES``), the switch to the
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Iterable
 
+from shim.transport.heap import trim_heap
 from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES
 from shim.transport.hooks import (
     CallHooks,
@@ -28,6 +32,8 @@ from shim.transport.hooks import (
 )
 from shim.transport.relay.calls import request_reader
 from shim.transport.relay.connection import Connection
+from shim.transport.relay.listener import OUT_OF_DESCRIPTORS, Listener
+from shim.transport.wire.h2 import GOAWAY, SETTINGS, frame
 from shim.transport.unixsock import ThrottledLog, bind_private, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger("shim.transport.relay")
@@ -40,31 +46,38 @@ HOLD_TOTAL_BYTES = 64 * 1024 * 1024
 UPSTREAM_CONNECT_TIMEOUT = 10.0
 REFUSED_IDLE_CLOSE = 1.0  # seconds a refused connection may stay open without a call
 READ_PAUSE_BYTES = 4 * 1024 * 1024  # client bytes buffered while the upstream connects
+# Kubelet connections open at once; beyond it a new one is answered GOAWAY and closed. The kubelet
+# keeps one or two; crictl, doctor and probes add a few each.
+MAX_CONNECTIONS = 128
+ENHANCE_YOUR_CALM = 0xB
 
 
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc ``malloc_trim``): start-up and
-    large messages leave freed memory that glibc would otherwise keep."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+def shed_frames(why: str) -> bytes:
+    """What a connection the relay will not serve gets before it is closed: the server preface
+    (an empty SETTINGS) and GOAWAY ENHANCE_YOUR_CALM, last stream 0 (no stream was processed, so
+    a client may retry every one), with ``why`` as its debug data."""
+    return frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, bytes(4) + ENHANCE_YOUR_CALM.to_bytes(4, "big")
+                                         + why.encode()[:256])
 
 
-_malloc_trim = None
+def _shed(sock: socket.socket, frames: bytes) -> None:
+    try:
+        sock.send(frames)  # a new socket's buffer takes these few bytes at once
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 class _ClientSide(asyncio.Protocol):
     """A kubelet connection: its transport, the upstream connection's, and their Connection."""
 
-    def __init__(self, relay: "RelayProxy") -> None:
+    def __init__(self, relay: "RelayProxy", upstream_sock: socket.socket) -> None:
         self.relay = relay
+        # the upstream connection's socket, made when the kubelet's was accepted (a connection
+        # is taken only with both descriptors); connected in _connect
+        self.upstream_sock: socket.socket | None = upstream_sock
+        self.made = False
         self.client = None
         self.upstream = None
         self.conn: Connection | None = None
@@ -75,11 +88,14 @@ class _ClientSide(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.client = transport
+        relay = self.relay
+        self.made = True
+        relay.pending -= 1
         self.conn = Connection(self.relay, transport)
         self.conn.on_closed = self._closed
-        relay = self.relay
         relay.connections.add(self)
         if relay.stopping:
+            self.drop_upstream_sock()
             transport.close()
             return
         self.connect_task = asyncio.ensure_future(self._connect())
@@ -100,6 +116,11 @@ class _ClientSide(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.conn.close("CANCELLED", "")
 
+    def drop_upstream_sock(self) -> None:
+        sock, self.upstream_sock = self.upstream_sock, None
+        if sock is not None:
+            sock.close()
+
     def pause_writing(self) -> None:
         _pause(self.upstream)
 
@@ -111,9 +132,7 @@ class _ClientSide(asyncio.Protocol):
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            transport, _ = await asyncio.wait_for(
-                loop.create_unix_connection(lambda: _UpstreamSide(self), self.relay.upstream_path),
-                UPSTREAM_CONNECT_TIMEOUT)
+            transport, _ = await asyncio.wait_for(self._open_upstream(loop), UPSTREAM_CONNECT_TIMEOUT)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to connect means UNAVAILABLE
@@ -128,6 +147,15 @@ class _ClientSide(asyncio.Protocol):
             return
         if self.conn.mode == "closed":
             transport.close()
+
+    async def _open_upstream(self, loop):
+        sock, self.upstream_sock = self.upstream_sock, None
+        try:
+            await loop.sock_connect(sock, self.relay.upstream_path)
+        except BaseException:
+            sock.close()
+            raise
+        return await loop.create_unix_connection(lambda: _UpstreamSide(self), sock=sock)
 
     def upstream_made(self, transport) -> None:
         """The upstream connection exists (before any of its data is delivered)."""
@@ -163,6 +191,7 @@ class _ClientSide(asyncio.Protocol):
 
     def _closed(self) -> None:
         self.relay.connections.discard(self)
+        self.drop_upstream_sock()
         for t in (self.client, self.upstream):
             if t is not None:
                 t.close()
@@ -230,28 +259,37 @@ class RelayProxy:
         max_message_bytes: int = 128 * 1024 * 1024,
         hold_max_bytes: int = HOLD_MAX_BYTES,
         hold_total_bytes: int = HOLD_TOTAL_BYTES,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.listen_path, self.upstream_path, self.socket_mode = transport_endpoints(
             listen, upstream, socket_mode, socket_group
         )
         self.socket_group = socket_group
         for name, value in (("max_message_bytes", max_message_bytes), ("hold_max_bytes", hold_max_bytes),
-                            ("hold_total_bytes", hold_total_bytes)):
+                            ("hold_total_bytes", hold_total_bytes), ("max_connections", max_connections)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, not {value!r}")
         self.max_message_bytes = max_message_bytes
         self.hold_max_bytes = hold_max_bytes
         self.hold_total_bytes = hold_total_bytes
+        self.max_connections = max_connections
         self.hooks = hooks
         self.held_methods = frozenset(hooks.held_methods)
         self.request_info = request_reader(unary_shapes(methods))
         self.stream_record_max_messages = STREAM_RECORD_MAX_MESSAGES
         self.stream_record_max_bytes = STREAM_RECORD_MAX_BYTES
         self.connections: set[_ClientSide] = set()
+        self.pending = 0  # accepted connections whose transport is not made yet
+        # connections sent GOAWAY and closed at once (public counters, read by the metrics):
+        # beyond max_connections; for want of a file descriptor (for the kubelet's side or the
+        # runtime's)
+        self.shed_limit = 0
+        self.shed_descriptors = 0
         self.held_total = 0
         self.stopping = False
         self._trim_pending = False
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: Listener | None = None
+        self._accepting: set[asyncio.Future] = set()  # accepted sockets becoming transports
         self._socket_id: tuple[int, int] | None = None
         self._terminated: asyncio.Event | None = None
         self._rewrite_failed = ThrottledLog("rewrite hook failed")
@@ -260,6 +298,11 @@ class RelayProxy:
                                      outcome="the kubelet's bytes went upstream unchanged")
         self._down = ThrottledLog("runtime unreachable", level=logging.WARNING,
                                   outcome="the connection's calls are answered UNAVAILABLE")
+        self._over_limit = ThrottledLog("connection limit reached", level=logging.WARNING,
+                                        outcome="it is sent GOAWAY and closed; the open ones are served")
+        self._accept_failed = ThrottledLog("cannot set up", outcome="it is closed")
+        self._no_fds = ThrottledLog("out of file descriptors", level=logging.WARNING,
+                                    outcome="it is sent GOAWAY and closed; the open ones are served")
 
     # ----------------------------------------------------------------- hooks
 
@@ -289,35 +332,84 @@ class RelayProxy:
     def upstream_down(self, details: str) -> None:
         self._down("a new kubelet connection", details)
 
+    def _shed_unaccepted(self, error: OSError) -> bytes:
+        """A connection the listener could not accept for want of a descriptor (it took it with
+        its reserve one): counted, logged; the frames it is sent before it is closed."""
+        self.shed_descriptors += 1
+        why = f"memqos-shim: no file descriptor left to accept a connection: {error}"
+        self._no_fds("a new kubelet connection", why)
+        return shed_frames(why)
+
+    def _serve(self, sock: socket.socket) -> None:
+        """An accepted kubelet connection: its upstream socket, transport and ``_ClientSide``;
+        or GOAWAY and closed, when it is one too many or its upstream socket cannot be made."""
+        if len(self.connections) + self.pending >= self.max_connections:
+            self.shed_limit += 1
+            why = f"memqos-shim: {len(self.connections) + self.pending} connections open, the limit is " \
+                  f"{self.max_connections}"
+            self._over_limit("a new kubelet connection", why)
+            _shed(sock, shed_frames(why))
+            return
+        try:
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as e:
+            if e.errno not in OUT_OF_DESCRIPTORS:
+                raise
+            self.shed_descriptors += 1
+            why = f"memqos-shim: no file descriptor left for the runtime connection: {e}"
+            self._no_fds("a new kubelet connection", why)
+            _shed(sock, shed_frames(why))
+            return
+        upstream.setblocking(False)
+        side = _ClientSide(self, upstream)
+        self.pending += 1
+        task = asyncio.ensure_future(asyncio.get_running_loop().connect_accepted_socket(lambda: side, sock))
+        self._accepting.add(task)
+        task.add_done_callback(lambda t: self._accepted(t, side, sock))
+
+    def _accepted(self, task: asyncio.Future, side: _ClientSide, sock: socket.socket) -> None:
+        self._accepting.discard(task)
+        if side.made:
+            return
+        self.pending -= 1
+        side.drop_upstream_sock()
+        sock.close()
+        if not task.cancelled() and task.exception() is not None:
+            self._accept_failed("a new kubelet connection", repr(task.exception()))
+
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        if self._server is not None:
+        if self._listener is not None:
             raise RuntimeError("RelayProxy.start() called twice")
         gid = None if self.socket_group is None else resolve_gid(self.socket_group)
         loop = asyncio.get_running_loop()
         sock, self._socket_id = bind_private(self.listen_path, self.socket_mode, gid)
         try:
-            self._server = await loop.create_unix_server(lambda: _ClientSide(self), sock=sock)
+            self._listener = Listener(sock, self._serve, self._shed_unaccepted)
+            self._listener.start()
         except BaseException:
+            self._listener = None
             sock.close()
             remove_if_ours(self.listen_path, self._socket_id)
             self._socket_id = None
             raise
         self._terminated = asyncio.Event()
         trim_heap()
-        log.info("CRI relay serving on %s (mode %#o%s), upstream unix://%s, event loop %s",
-                 self.listen_path, self.socket_mode, "" if gid is None else f", group {gid}",
-                 self.upstream_path, type(loop).__module__)
+        log.info("CRI relay serving on %s (mode %#o%s), upstream unix://%s, event loop %s, at most %d "
+                 "connections", self.listen_path, self.socket_mode, "" if gid is None else f", group {gid}",
+                 self.upstream_path, type(loop).__module__, self.max_connections)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting connections, tell clients to open no new streams (GOAWAY), give calls
         in flight ``grace`` seconds, close every connection, remove the socket if it is ours."""
-        if self._server is None or self.stopping:
+        if self._listener is None or self.stopping:
             return
         self.stopping = True
         try:
-            self._server.close()
+            self._listener.close()
+            for task in list(self._accepting):
+                task.cancel()
             for conn in list(self.connections):
                 conn.conn.goaway()
             if grace:
@@ -333,6 +425,6 @@ class RelayProxy:
                 self._terminated.set()
 
     async def wait_for_termination(self) -> None:
-        if self._server is None or self._terminated is None:
+        if self._listener is None or self._terminated is None:
             raise RuntimeError("RelayProxy is not started")
         await self._terminated.wait()
