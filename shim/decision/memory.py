@@ -21,7 +21,9 @@ def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> in
     rounded down to a whole page with integer arithmetic. ceiling is the limit, or
     allocatable when there is no limit. Never above the ceiling (float64 rounds a ceiling
     beyond 2^53 up: 2^63-1 becomes 2^63)."""
-    high = min(math.floor(float(request) + (float(ceiling) - float(request)) * factor), ceiling)
+    high = math.floor(float(request) + (float(ceiling) - float(request)) * factor)
+    if high > ceiling:
+        high = ceiling
     return (high // page_size) * page_size
 
 
@@ -37,10 +39,10 @@ def protection_key(policy: Policy, qos: QoSClass) -> str | None:
     return "memory.min" if qos is QoSClass.GUARANTEED else "memory.low"  # TieredReservation
 
 
-def _protection(policy: Policy, qos: QoSClass, req: Request, clamped: str = "") -> tuple[dict[str, int], dict[str, str]]:
+def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, int], dict[str, str]]:
     keys: dict[str, int] = {}
     reasons: dict[str, str] = {}
-    why = f"request {req.bytes} from {req.source.value}" + (f", {clamped}" if clamped else "")
+    why = f"request {req.bytes} from {req.source.value}"
     key = protection_key(policy, qos)
     if policy is Policy.NONE:
         reasons["memory.min"] = reasons["memory.low"] = "not set: policy None"
@@ -144,15 +146,27 @@ def decide(
     No value above the node ever comes out (docs/memory-qos.md, "Absurd numbers"): the request
     (discovered or given) is clamped to allocatable, a limit above the capacity is no limit,
     and ``notes`` says each time it happened."""
-    notes: list[str] = []
+    # (this is the CRI path: the common case, numbers within the node, is checked inline and
+    # allocates nothing; the notes list is made when there is something to note)
+    notes: list[str] | None = None
     qos, qos_reason = qos_class(pod.cgroup_parent, container.oom_score_adj)
-    seen, limit = _bounded_limit(node, container, notes)
+    limit = container.limit
+    seen = container
+    if not 0 <= limit <= node.capacity <= MAX_BYTES:
+        notes = []
+        seen, limit = _bounded_limit(node, container, notes)
     req = request if request is not None else resolve_request(pod, seen, qos, node.capacity)
-    clamped_bytes, clamped = clamp(req.bytes, allocatable_bound(node.allocatable, node.capacity), "request")
+    clamped = ""
+    if not 0 <= req.bytes <= node.allocatable <= node.capacity <= MAX_BYTES:
+        clamped_bytes, clamped = clamp(req.bytes, allocatable_bound(node.allocatable, node.capacity), "request")
+        if clamped:
+            notes = notes or []
+            notes.append(clamped)
+            req = replace(req, bytes=clamped_bytes)
+    desired, reasons = _protection(policy, qos, req)
     if clamped:
-        notes.append(clamped)
-        req = replace(req, bytes=clamped_bytes)
-    desired, reasons = _protection(policy, qos, req, clamped)
+        for key in desired:
+            reasons[key] += f" ({clamped})"
     high, reasons["memory.high"] = _throttle(node, qos, req, limit)
     if high is not None:
         desired["memory.high"] = high
@@ -164,6 +178,7 @@ def decide(
             if key in before:
                 after[key], note = _kubelet_value(key, before[key], node)
                 if note:
+                    notes = notes or []
                     notes.append(note)
                     reasons[key] = f"{note} (the kubelet owns it: {kubelet_owns[key]})"
                 else:
@@ -182,7 +197,7 @@ def decide(
             reasons[key] += f"; set to {NEUTRAL[key]!r} so an earlier value does not stay in force"
         elif key in before:
             reasons[key] += f"; kubelet's {before[key]!r} removed"
-    return Decision(
+    decision = Decision(
         qos=qos,
         qos_reason=qos_reason,
         request=req,
@@ -190,5 +205,5 @@ def decide(
         unified_before=MappingProxyType(before),
         unified_after=MappingProxyType(after),
         reasons=MappingProxyType(reasons),
-        notes=tuple(notes),
     )
+    return replace(decision, notes=tuple(notes)) if notes else decision
