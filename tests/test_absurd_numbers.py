@@ -360,3 +360,31 @@ def test_systemd_writer_refuses_before_asking_systemd(tmp_path):
     assert asked == []
     fs.write("kubepods.slice", "memory.min", 8 * GI, "test")
     assert asked == [("kubepods.slice", "MemoryMin", 8 * GI)]
+
+
+def test_reconciler_reports_a_refused_value_and_goes_on(tmp_path):
+    """Were a target above the capacity ever computed (a bug above the writer), the reconciler's
+    writer refuses it, says so (cgroup-refused) and still makes the other writes."""
+    from shim.decision.node import QOS, Target
+    from shim.node.facts import KubeletFacts
+    from shim.node.reconciler import Reconciler
+    from tests.reconciler_support import FakeCgroupTree
+
+    class Buggy(Reconciler):
+        def targets(self):
+            out = super().targets()
+            out[("kubepods/burstable", MIN)] = Target("kubepods/burstable", MIN, INT64 // 4096 * 4096, QOS, "a bug")
+            out[("kubepods", MIN)] = Target("kubepods", MIN, 64 * MI, NODE, "fine")
+            return out
+
+    tree = FakeCgroupTree(tmp_path / "cgroup")
+    records = []
+    r = Buggy(cgroup_root=str(tree.root), kubelet=KubeletFacts(), policy=Policy.HARD, capacity=8 * GI,
+              page_size=4096, emit=records.append, resync_interval=60).start()
+    try:
+        assert r.sync(5)
+    finally:
+        r.stop()
+    assert tree.get("kubepods/burstable") == 0 and tree.get("kubepods") == 64 * MI
+    refused = [x for x in records if x["event"] == "cgroup-refused"]
+    assert len(refused) == 1 and f"above the node's capacity {8 * GI}" in refused[0]["reason"]
