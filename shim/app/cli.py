@@ -147,6 +147,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "page_size": page,
         "policy": policy.value,
         "reasons": dict(d.reasons),
+        **({"notes": list(d.notes)} if d.notes else {}),
     }
     if args.json:
         print(json.dumps(out))
@@ -158,6 +159,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         value = d.unified_after.get(key)
         shown = f"{value} ({format_bytes(int(value))})" if value is not None else "-"
         print(f"  {key:12} {shown:28} {d.reasons.get(key, '')}")
+    for note in d.notes:
+        print(f"  note: {note}")
     return 0
 
 

@@ -253,4 +253,5 @@ class ContainerMemoryQoS:
             "unified_before": dict(d.unified_before),
             "unified_after": dict(d.unified_after),
             "reasons": dict(d.reasons),
+            **({"notes": list(d.notes)} if d.notes else {}),
         }

@@ -21,13 +21,11 @@ def pod_facts(sandbox_config: Any) -> PodFacts:
 
 
 def container_facts(name: str, resources: Any) -> ContainerFacts:
-    """A LinuxContainerResources as the decision reads it; a negative memory limit is refused."""
-    limit = resources.memory_limit_in_bytes
-    if limit < 0:
-        raise ValueError(f"negative memory_limit_in_bytes {limit}")
+    """A LinuxContainerResources as the decision reads it, numbers as sent (the decision treats
+    a negative limit as none and says so: docs/memory-qos.md, "Absurd numbers")."""
     return ContainerFacts(
         name=name,
-        limit=limit,
+        limit=resources.memory_limit_in_bytes,
         oom_score_adj=resources.oom_score_adj,
         unified=MappingProxyType(dict(resources.unified)),
     )

@@ -114,6 +114,9 @@ class Decision:
     unified_before: Mapping[str, str]
     unified_after: Mapping[str, str]
     reasons: Mapping[str, str]  # owned key -> why it was set, kept or left out
+    # numbers beyond what the node has, and what was done with them ("clamped: ...", "... treated
+    # as no limit"): docs/memory-qos.md, "Absurd numbers"
+    notes: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:

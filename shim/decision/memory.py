@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Mapping
 
 from shim.decision.facts import OWNED_KEYS, ContainerFacts, Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource
 from shim.decision.qos import qos_class
+from shim.decision.quantity import MAX_BYTES, allocatable_bound, capacity_bound, clamp
 from shim.decision.request import resolve_request
 
 
@@ -17,8 +19,11 @@ NEUTRAL = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
 def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> int:
     """floor(req + (ceiling - req) * factor) in IEEE float64 like the kubelet, then
     rounded down to a whole page with integer arithmetic. ceiling is the limit, or
-    allocatable when there is no limit."""
+    allocatable when there is no limit. Never above the ceiling (float64 rounds a ceiling
+    beyond 2^53 up: 2^63-1 becomes 2^63)."""
     high = math.floor(float(request) + (float(ceiling) - float(request)) * factor)
+    if high > ceiling:
+        high = ceiling
     return (high // page_size) * page_size
 
 
@@ -69,7 +74,10 @@ def _throttle(node: NodeFacts, qos: QoSClass, req: Request, limit: int) -> tuple
         and (req.upper is None or limit < req.upper)
     ):
         return None, "not set: the request estimated from oom_score_adj may equal the limit"
-    ceiling, what = (limit, "limit") if limit > 0 else (node.allocatable, "allocatable")
+    if limit > 0:
+        ceiling, what = limit, "limit"
+    else:  # allocatable, never above the capacity (a --node-allocatable beyond it)
+        ceiling, what = allocatable_bound(node.allocatable, node.capacity) if node.allocatable > 0 else (0, "")
     if ceiling <= 0:
         return None, "not set: no limit and allocatable unknown"
     high = memory_high(req.bytes, ceiling, node.factor, node.page_size)
@@ -79,6 +87,38 @@ def _throttle(node: NodeFacts, qos: QoSClass, req: Request, limit: int) -> tuple
         f"floor({req.bytes} + ({what} {ceiling} - {req.bytes}) * {node.factor}) "
         f"rounded down to page {node.page_size}"
     )
+
+
+def _bounded_limit(node: NodeFacts, container: ContainerFacts, notes: list[str]) -> tuple[ContainerFacts, int]:
+    """The container as request discovery reads it (a negative or beyond-int64 limit is none)
+    and the limit memory.high uses (a limit above the capacity is none too: memory.high is then
+    computed from allocatable). docs/memory-qos.md, "Absurd numbers"."""
+    limit = container.limit
+    if limit < 0 or limit > MAX_BYTES:
+        notes.append(f"memory_limit_in_bytes {limit} is not a byte count: treated as no limit")
+        container = replace(container, limit=0)
+        limit = 0
+    cap = capacity_bound(node.capacity)
+    if limit > cap[0]:
+        notes.append(f"limit {limit} above {cap[1]} {cap[0]}: treated as no limit")
+        limit = 0
+    return container, limit
+
+
+def _kubelet_value(key: str, raw: str, node: NodeFacts) -> tuple[str, str]:
+    """A value the kubelet owns, forwarded as sent unless it is a byte count above what the node
+    has: memory.min / memory.low above allocatable are clamped to it, memory.high above the
+    capacity is "max" (a limit above the capacity is no limit)."""
+    if not (raw.isascii() and raw.isdigit()):
+        return raw, ""
+    value = int(raw) if len(raw) <= 40 else MAX_BYTES + 1
+    if key == "memory.high":
+        cap = capacity_bound(node.capacity)
+        if value > cap[0]:
+            return "max", f"clamped: kubelet's memory.high {raw[:40]} above {cap[1]} {cap[0]}: set to 'max'"
+        return raw, ""
+    bounded, note = clamp(value, allocatable_bound(node.allocatable, node.capacity), f"kubelet's {key} {raw[:40]}")
+    return (str(bounded), note) if note else (raw, "")
 
 
 def decide(
@@ -100,12 +140,34 @@ def decide(
     a key -- leaving it out would keep the old value in force.
 
     `kubelet_owns`: owned keys the kubelet is configured to write itself (key -> why, from
-    shim.node.kubelet.Ownership): its value is forwarded unchanged, or left out when it sent
-    none."""
+    shim.node.kubelet.Ownership): its value is forwarded unchanged (unless it is a byte count
+    above what the node has), or left out when it sent none.
+
+    No value above the node ever comes out (docs/memory-qos.md, "Absurd numbers"): the request
+    (discovered or given) is clamped to allocatable, a limit above the capacity is no limit,
+    and ``notes`` says each time it happened."""
+    # (this is the CRI path: the common case, numbers within the node, is checked inline and
+    # allocates nothing; the notes list is made when there is something to note)
+    notes: list[str] | None = None
     qos, qos_reason = qos_class(pod.cgroup_parent, container.oom_score_adj)
-    req = request if request is not None else resolve_request(pod, container, qos, node.capacity)
+    limit = container.limit
+    seen = container
+    if not 0 <= limit <= node.capacity <= MAX_BYTES:
+        notes = []
+        seen, limit = _bounded_limit(node, container, notes)
+    req = request if request is not None else resolve_request(pod, seen, qos, node.capacity)
+    clamped = ""
+    if not 0 <= req.bytes <= node.allocatable <= node.capacity <= MAX_BYTES:
+        clamped_bytes, clamped = clamp(req.bytes, allocatable_bound(node.allocatable, node.capacity), "request")
+        if clamped:
+            notes = notes or []
+            notes.append(clamped)
+            req = replace(req, bytes=clamped_bytes)
     desired, reasons = _protection(policy, qos, req)
-    high, reasons["memory.high"] = _throttle(node, qos, req, container.limit)
+    if clamped:
+        for key in desired:
+            reasons[key] += f" ({clamped})"
+    high, reasons["memory.high"] = _throttle(node, qos, req, limit)
     if high is not None:
         desired["memory.high"] = high
 
@@ -114,8 +176,13 @@ def decide(
     for key in OWNED_KEYS:
         if key in kubelet_owns:
             if key in before:
-                after[key] = before[key]
-                reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
+                after[key], note = _kubelet_value(key, before[key], node)
+                if note:
+                    notes = notes or []
+                    notes.append(note)
+                    reasons[key] = f"{note} (the kubelet owns it: {kubelet_owns[key]})"
+                else:
+                    reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
             else:
                 reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
             continue
@@ -130,7 +197,7 @@ def decide(
             reasons[key] += f"; set to {NEUTRAL[key]!r} so an earlier value does not stay in force"
         elif key in before:
             reasons[key] += f"; kubelet's {before[key]!r} removed"
-    return Decision(
+    decision = Decision(
         qos=qos,
         qos_reason=qos_reason,
         request=req,
@@ -139,3 +206,4 @@ def decide(
         unified_after=MappingProxyType(after),
         reasons=MappingProxyType(reasons),
     )
+    return replace(decision, notes=tuple(notes)) if notes else decision

@@ -8,7 +8,7 @@ from typing import Any, Iterable, NamedTuple
 
 from shim.decision.facts import Policy, QoSClass
 from shim.decision.memory import protection_key
-from shim.decision.quantity import format_bytes
+from shim.decision.quantity import allocatable_bound, capacity_bound, clamp, format_bytes
 
 NODE, QOS, POD = 0, 1, 2
 MIN, LOW = "memory.min", "memory.low"
@@ -74,6 +74,9 @@ def node_targets(
     page_size: int,
     reserved: Iterable[Reserved] = (),
     kubelet_owns: frozenset[str] | set[str] = frozenset(),
+    *,
+    capacity: int = 0,
+    allocatable: int = 0,
 ) -> dict[tuple[str, str], Target]:
     """Every managed (path, file) -> Target, values rounded down to whole pages.
 
@@ -90,8 +93,14 @@ def node_targets(
     * None: every managed value 0.
 
     ``kubelet_owns``: scopes (``SCOPES``) whose values the kubelet writes itself; the shim
-    leaves them out entirely (it neither writes nor zeroes them)."""
+    leaves them out entirely (it neither writes nor zeroes them).
+
+    No value is above what the node can give (docs/memory-qos.md, "Absurd numbers"): a pod's
+    request and the QoS and kubepods sums are capped at ``allocatable``, a reserved amount at
+    ``capacity`` (either 0: not known, int64 is the cap), and the reason says so."""
     page = max(1, page_size)
+    pods_bound = allocatable_bound(allocatable, capacity)
+    node_bound = capacity_bound(capacity)
     pods = list(pods)
     sums = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
     counts = {QoSClass.GUARANTEED: 0, QoSClass.BURSTABLE: 0}
@@ -103,8 +112,12 @@ def node_targets(
     targets: dict[tuple[str, str], Target] = {}
 
     def put(path: str | None, file: str, value: int, level: int, why: str, scope: str, *, pod: str = "",
-            protecting: bool = False, members: frozenset[str] = frozenset()) -> None:
+            protecting: bool = False, members: frozenset[str] = frozenset(),
+            bound: tuple[int, str] = pods_bound) -> None:
         if path is not None and scope not in kubelet_owns:
+            value, clamped = clamp(value, bound, "")
+            if clamped:
+                why = f"{why}; {clamped}"
             targets[(path, file)] = Target(path, file, (value // page) * page, level, why, pod, protecting, members)
 
     def put_both(path: str | None, level: int, why: str, scope: str, *, pod: str = "", key: str | None = None) -> None:
@@ -161,5 +174,6 @@ def node_targets(
     for r in reserved:
         none = policy is Policy.NONE
         put(r.path, MIN, 0 if none else r.bytes, NODE,
-            f"{r.kind}: policy None" if none else f"{r.kind}: reserved memory {describe_bytes(r.bytes)}", "reserved")
+            f"{r.kind}: policy None" if none else f"{r.kind}: reserved memory {describe_bytes(r.bytes)}", "reserved",
+            bound=node_bound)
     return targets

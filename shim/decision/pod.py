@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Mapping, Protocol
 
 from shim.decision.facts import ContainerFacts, PodFacts
 from shim.decision.qos import parse_cgroup_parent, qos_from_oom_score_adj
+from shim.decision.quantity import MAX_BYTES
 from shim.decision.request import resolve_request
 
 # Left on every container the shim creates, so a restarted shim can rebuild pod-level
@@ -133,7 +134,7 @@ def pod_request(containers: Iterable[ContainerLife], overhead: int = 0) -> PodRe
 def _positive(raw: str | None) -> int | None:
     if raw and raw.isascii() and raw.isdigit() and len(raw) <= 19:
         v = int(raw)
-        return v if v > 0 else None
+        return v if 0 < v <= MAX_BYTES else None  # beyond int64: absent (the pod sum is capped anyway)
     return None
 
 
@@ -160,7 +161,7 @@ def parse_annotation(annotations: Mapping[str, str]) -> dict | None:
     if not isinstance(doc, dict):
         return None
     b = doc.get("bytes")
-    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BYTES:
         return None
     return doc
 

@@ -25,8 +25,9 @@ lowered by an update), and returns the targets to write:
 * every other file (the other file of a pair, a stopped pod, policy None, reserved cgroups):
   as computed.
 
-No value in force above the node's capacity becomes a floor: it is capped there (rounded down
-to a page).
+No value in force above what the node can give its pods (``ceiling``: allocatable, else the
+capacity) becomes a floor: it is capped there (rounded down to a page), as the computed values
+are (docs/memory-qos.md, "Absurd numbers").
 """
 from __future__ import annotations
 
@@ -46,14 +47,14 @@ def keep_protection(
     targets: Mapping[Key, Target],
     in_force: Mapping[Key, int],
     departures: Mapping[str, Sequence[str]],
-    capacity: int,
+    ceiling: int,
     page_size: int,
     *,
     start: bool = False,
 ) -> dict[Key, Target]:
     """The targets to write: ``targets`` with values in force kept (module docstring)."""
     page = max(1, page_size)
-    cap = (capacity // page) * page if capacity > 0 else None
+    cap = (ceiling // page) * page if ceiling > 0 else None
     out: dict[Key, Target] = dict(targets)
 
     # -- pods

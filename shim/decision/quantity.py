@@ -1,4 +1,5 @@
-"""Kubernetes resource quantities ("128Mi", "1G", "1.5Gi", "2e9") as integer bytes.
+"""Kubernetes resource quantities ("128Mi", "1G", "1.5Gi", "2e9") as integer bytes, and the
+bounds every byte count the shim writes stays within (int64, the node's capacity, allocatable).
 
 Follows resource.Quantity: binary suffixes Ki..Ei, decimal suffixes n u m k M G T P E,
 or a decimal exponent; fractional byte counts round up (Quantity.Value()).
@@ -65,3 +66,29 @@ def format_bytes(n: int) -> str:
         if n and n % mult == 0:
             return f"{n // mult}{suffix}"
     return str(n)
+
+
+# -- bounds ----------------------------------------------------------------------------------
+def capacity_bound(capacity: int) -> tuple[int, str]:
+    """The most memory any one value may name on this node, and its name: the capacity
+    (MemTotal), or MAX_BYTES (int64) when the capacity is not known (0)."""
+    return (capacity, "capacity") if 0 < capacity <= MAX_BYTES else (MAX_BYTES, "int64 max")
+
+
+def allocatable_bound(allocatable: int, capacity: int) -> tuple[int, str]:
+    """The most memory the node can give its pods, and its name: allocatable (when known and
+    not above the capacity), else the capacity bound."""
+    top = capacity_bound(capacity)
+    return (allocatable, "allocatable") if 0 < allocatable <= top[0] else top
+
+
+def clamp(value: int, bound: tuple[int, str], what: str) -> tuple[int, str]:
+    """(value, "") when 0 <= value <= the bound; else the value clamped into [0, bound] and the
+    note saying so, e.g. "clamped: request 9223372036854775807 above allocatable 8589934592"."""
+    ceiling, name = bound
+    if 0 <= value <= ceiling:
+        return value, ""
+    what = f"{what} " if what else ""
+    if value > ceiling:
+        return ceiling, f"clamped: {what}{value} above {name} {ceiling}"
+    return 0, f"clamped: {what}{value} below 0"

@@ -13,7 +13,7 @@ from shim.decision.facts import (
     Request,
     RequestSource,
 )
-from shim.decision.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import MAX_BYTES, QuantityError, parse_bytes
 
 MAX_ANNOTATION_BYTES = 64 * 1024
 
@@ -53,9 +53,12 @@ def _from_unified(container: ContainerFacts, notes: list[str]) -> int | None:
         raw = container.unified.get(key)
         if raw is None:
             continue
-        if not raw.isascii() or not raw.isdigit() or len(raw) > 19:
+        if not raw.isascii() or not raw.isdigit():
             if raw != "max":
                 notes.append(f"kubelet's {key}={raw[:40]!r} is not a byte count")
+            continue
+        if len(raw) > 19 or int(raw) > MAX_BYTES:
+            notes.append(f"kubelet's {key}={raw[:40]!r} is beyond int64: ignored")
             continue
         value = int(raw)
         if value > 0:
@@ -106,5 +109,7 @@ def resolve_request(
         shown = "?" if high is None else high
         notes.append(f"oom_score_adj {container.oom_score_adj}: {low} <= request < {shown}")
         return Request(low, RequestSource.OOM_SCORE_ADJ, "; ".join(notes), upper=high)
+    if not -1000 <= container.oom_score_adj <= 1000:
+        notes.append(f"oom_score_adj {container.oom_score_adj} is outside [-1000, 1000]: ignored")
     notes.append(f"no source (oom_score_adj {container.oom_score_adj}, capacity {capacity})")
     return Request(0, RequestSource.NONE, "; ".join(notes))

@@ -9,7 +9,10 @@ means the cgroup does not exist.
 
 ``write()`` reads the file first and writes only when the value differs; each write is
 appended to ``writes`` (in order, what tests assert) and handed to ``emit`` as an audit
-record ``{"event": "cgroup-write", "path", "file", "old", "new", "why", ...}``.
+record ``{"event": "cgroup-write", "path", "file", "old", "new", "why", ...}``. It is the last
+line of defence against absurd numbers: a value above ``ceiling`` (the node's capacity; int64
+when not known) is refused with ``ValueRefused`` and nothing is written -- the decision caps
+every value before, so a refusal here means a bug above, and the file keeps what it held.
 
 ``reclaim()`` writes a byte count to the write-only memory.reclaim (proactive reclaim,
 kernel >= 5.19) through the same walk; the monitor audits those writes itself, in sums.
@@ -26,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from shim.decision.quantity import MAX_BYTES
+
 MANAGED_FILES = ("memory.min", "memory.low")
 RECLAIM_FILE = "memory.reclaim"  # write-only, kernel >= 5.19
 # A cgroup directory name: what kubelet, systemd and runtimes produce (no '/', no NUL).
@@ -35,6 +40,11 @@ _MAX_DEPTH = 32
 
 class PathRefused(ValueError):
     """A cgroup path that must not be written: outside the allowed tree, a symlink, ``..``."""
+
+
+class ValueRefused(PathRefused):
+    """A value that must not be written: negative, not an int, or above the writer's ceiling
+    (the node's capacity). Reported like a refused path (``cgroup-refused``)."""
 
 
 class ReclaimUnsupported(Exception):
@@ -264,8 +274,11 @@ class CgroupFS(CgroupTree):
         emit: Callable[[dict], None] | None = None,
         dry_run: bool = False,
         keep: int = 10000,
+        ceiling: int = 0,
     ):
         self.dry_run = dry_run
+        #: no value above this is ever written (the node's capacity; 0 or above int64: int64)
+        self.ceiling = ceiling if 0 < ceiling <= MAX_BYTES else MAX_BYTES
         self._emit = emit
         self._lock = threading.Lock()
         self._seq = 0
@@ -310,9 +323,9 @@ class CgroupFS(CgroupTree):
               extra: dict | None = None) -> Write | None:
         """Set rel/file to value when it holds something else. Returns the Write, or None when
         the file already held the value. FileNotFoundError when the cgroup does not exist;
-        PathRefused for a refused path; other OSErrors from the kernel pass through."""
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"bad value {value!r}")
+        PathRefused for a refused path, ValueRefused for a value above the ceiling; other
+        OSErrors from the kernel pass through."""
+        self.check_value(rel, file, value)
         parts = self.check(rel)
         new = str(value)
         dfd = self._open_dir(parts)
@@ -324,6 +337,14 @@ class CgroupFS(CgroupTree):
         if old == new:
             return None
         return self._record(parts, file, old, new, why, level, drift, extra)
+
+    def check_value(self, rel: str, file: str, value: int) -> None:
+        """ValueRefused unless value is an int in [0, ceiling]."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueRefused(f"bad value {value!r} for {rel[:200]}/{file}")
+        if value > self.ceiling:
+            raise ValueRefused(f"{value} for {rel[:200]}/{file} is above the node's capacity {self.ceiling}: "
+                               "not written")
 
     def _record(self, parts: list[str], file: str, old: str | None, new: str, why: str, level: int, drift: bool,
                 extra: dict | None) -> Write:

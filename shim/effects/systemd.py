@@ -37,6 +37,7 @@ import subprocess
 import time
 from typing import Callable, Iterable, Sequence
 
+from shim.decision.quantity import MAX_BYTES
 from shim.effects.cgroupfs import CgroupFS, PathRefused, Write, split_path
 
 WRITE_MODES = ("auto", "dbus", "cgroupfs")
@@ -110,7 +111,7 @@ class Systemctl:
     def set_property(self, unit: str, prop: str, value: int) -> None:
         if prop not in PROPERTY.values():
             raise ValueError(f"{prop!r} is not a property the shim sets")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BYTES:
             raise ValueError(f"bad value {value!r}")
         argv = [*self.command, "set-property", "--runtime", "--", unit, f"{prop}={value}"]
         try:
@@ -175,8 +176,7 @@ class CgroupWriter(CgroupFS):
               extra: dict | None = None) -> Write | None:
         if self.via != "systemd":
             return super().write(rel, file, value, why, level=level, drift=drift, extra=extra)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"bad value {value!r}")
+        self.check_value(rel, file, value)
         parts = self.check(rel)
         if file not in PROPERTY:
             raise PathRefused(f"{file!r} is not a file the shim writes")

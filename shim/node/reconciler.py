@@ -31,6 +31,7 @@ from typing import Callable
 from shim.decision import Policy, QoSClass
 from shim.decision.node import POD, PlacedPod, Reserved, Target, node_targets
 from shim.decision.protection import keep_protection
+from shim.decision.quantity import allocatable_bound
 from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
@@ -54,11 +55,14 @@ def compute_targets(
     reserved: list[Reserved] = (),
     check: Callable[[str], object] | None = None,
     kubelet_owns: frozenset[str] | set[str] = frozenset(),
+    capacity: int = 0,
+    allocatable: int = 0,
 ) -> tuple[dict[tuple[str, str], Target], list[tuple[str, str]]]:
     """Every managed (path, file) -> Target (shim.decision.node.node_targets, which has the
     policy), and the refusals ((key, reason)): pods whose cgroup_parent is not where the layout
     puts them, or whose path ``check(path)`` refuses (PathRefused, e.g. CgroupFS.validate:
-    symlinks), are left out."""
+    symlinks), are left out. Values are capped at what the node can give (``allocatable`` for
+    pods, QoS and kubepods, ``capacity`` for reserved: node_targets)."""
     refusals: list[tuple[str, str]] = []
     pods = []
     for pod in sorted(state.pods.values(), key=lambda p: p.uid):
@@ -72,7 +76,7 @@ def compute_targets(
         req = state.request(pod) if pod.active and qos is not QoSClass.BESTEFFORT else None
         pods.append(PlacedPod(pod, qos, path, req))
     targets = node_targets(pods, layout.kubepods, layout.qos(QoSClass.BURSTABLE), layout.qos(QoSClass.BESTEFFORT),
-                           policy, page_size, reserved, kubelet_owns)
+                           policy, page_size, reserved, kubelet_owns, capacity=capacity, allocatable=allocatable)
     return targets, refusals
 
 
@@ -143,6 +147,7 @@ class Reconciler(Worker):
         resync_interval: float = 30.0,
         ownership=None,
         systemd_writes: str = "cgroupfs",
+        allocatable: int | None = None,
     ):
         super().__init__("memqos-reconciler", logger=log, label="reconciler", report_error=self._report_error)
         self.cgroup_root = cgroup_root
@@ -150,6 +155,9 @@ class Reconciler(Worker):
         self.policy = policy
         self.page_size = page_size
         self.capacity = capacity
+        # None: capacity - kubeReserved - systemReserved, as shim.node.facts.node_facts has it
+        self.allocatable = max(0, capacity - kubelet.kube_reserved - kubelet.system_reserved) \
+            if allocatable is None else allocatable
         self.resync_interval = resync_interval
         # scopes (pod, qos, kubepods, reserved) the kubelet writes itself: left to it
         if ownership is None:
@@ -164,7 +172,7 @@ class Reconciler(Worker):
         self.state = NodeState(capacity)
         self.view = NodeView()  # replaced (never mutated) after each change applied
         # how writes are made (cgroupfs, or systemd's SetUnitProperties on systemd-driver nodes)
-        self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes)
+        self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes, ceiling=capacity)
         self.observer = ReconcilerObserver(self._queue)
         self.layout: CgroupLayout | None = None
         self.reserved: list[Reserved] = []
@@ -382,7 +390,8 @@ class Reconciler(Worker):
 
     def targets(self) -> dict[tuple[str, str], Target]:
         targets, refusals = compute_targets(self.state, self.layout, self.policy, self.page_size, self.reserved,
-                                            self.fs.validate, kubelet_owns=self.kubelet_scopes)
+                                            self.fs.validate, kubelet_owns=self.kubelet_scopes,
+                                            capacity=self.capacity, allocatable=self.allocatable)
         for key, why in refusals:
             self._refuse(key, why)
         return targets
@@ -435,7 +444,8 @@ class Reconciler(Worker):
             elif isinstance(looked[key], int) and looked[key] >= 0:
                 in_force[key] = looked[key]
         departures = self.state.take_departures()
-        targets = keep_protection(targets, in_force, departures, self.capacity, self.page_size,
+        targets = keep_protection(targets, in_force, departures, allocatable_bound(self.allocatable, self.capacity)[0],
+                                  self.page_size,
                                   start=not self.kept and self.client is not None)
         self.kept = True
         self.pod_files = {k: t.pod for k, t in targets.items() if t.pod}
@@ -514,4 +524,5 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
         resync_interval=cfg.resync_interval,
         ownership=ownership,
         systemd_writes=cfg.systemd_writes,
+        allocatable=node.allocatable,
     )
