@@ -93,7 +93,13 @@ class PluginConn:
             raise CallFailed(resp.status.code, resp.status.message)
         return response_type.FromString(resp.payload)
 
+    def subscribed(self, event: int) -> bool:
+        return bool(self.events & (1 << (event - 1)))
+
     async def create_container(self, pod: pb.PodSandbox, container: pb.Container) -> pb.CreateContainerResponse:
+        """CreateContainer as the runtime relays it; a plugin not subscribed to it is skipped."""
+        if not self.subscribed(pb.CREATE_CONTAINER):
+            return pb.CreateContainerResponse()
         return await self.call("CreateContainer", pb.CreateContainerRequest(pod=pod, container=container),
                                pb.CreateContainerResponse)
 

@@ -50,12 +50,12 @@ async def open_socket(path: str | None = None, fd: int | None = None):
 class TtrpcMux:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, serve_conn: int,
                  client_conn: int, handler: Callable[[ttrpc.Request], ttrpc.Response],
-                 max_frame: int = mux.SEND_FRAME):
+                 max_frame: int = mux.SEND_FRAME, max_incoming_frame: int = mux.MAX_FRAME):
         self._reader, self._writer = reader, writer
         self.serve_conn, self.client_conn = serve_conn, client_conn
         self._handler = handler
         self._max_frame = max_frame
-        self._demux = mux.MuxDecoder({serve_conn, client_conn})
+        self._demux = mux.MuxDecoder({serve_conn, client_conn}, max_incoming_frame)
         self._server = ttrpc.Connection(client=False)
         self._client = ttrpc.Connection(client=True)
         self._calls: dict[int, asyncio.Future] = {}
