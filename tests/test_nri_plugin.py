@@ -220,6 +220,24 @@ def test_session_register_configure_split_sync_create_and_errors():
     run(main())
 
 
+def test_an_old_runtimes_unsplit_synchronize_above_4_mib_is_taken():
+    # containerd < 1.7.26 (ttrpc <= 1.2.5) sends a large Synchronize whole, above ttrpc's 4 MiB
+    pods, ctrs = pods_and_containers(2)
+    ctrs[0].annotations["big"] = "y" * (4 << 20)
+
+    async def main():
+        async with FakeNriRuntime(os.path.join(socket_dir(), "nri.sock"), runtime_version="1.7.24",
+                                  nri_version=(0, 6, 1), pods=pods, containers=ctrs) as rt:
+            handler = Recording()
+
+            async def body(plugin):
+                p = await rt.next_plugin()
+                assert p.sync_requests[0].ByteSize() > (4 << 20) and not p.sync_requests[0].more
+                assert handler.synced == [(["pod0", "pod1"], ["ctr0", "ctr1"])] and rt.refused == []
+            await with_plugin(rt, handler, body)
+    run(main())
+
+
 def test_old_runtime_without_timeouts_gets_a_mask_it_knows():
     class Greedy(Handler):
         events = frozenset(range(1, 15))  # Validate and UpdatePodSandbox included

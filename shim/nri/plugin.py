@@ -9,7 +9,10 @@ Every answer is built so the pod never fails because of us: a handler that raise
 request that does not parse, gets an empty reply of the right type. Only methods we do not
 implement get a status, Unimplemented (12): a v0.12 runtime then falls back to StateChange.
 Split sync: each chunk with ``more`` is answered ``{more: true}`` with no update, and the
-handler sees all chunks' pods and containers at once with the last one.
+handler sees all chunks' pods and containers at once with the last one. Runtimes before
+containerd 1.7.26 (ttrpc <= 1.2.5, no split sync) send a Synchronize above ttrpc's 4 MiB in one
+message: the runtime's requests are accepted up to ``MAX_REQUEST`` (16 MiB, the most the old
+mux carried in one frame) rather than refused, which would fail the sync at every reconnect.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 PLUGIN_CONN, RUNTIME_CONN = 1, 2
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 PLUGIN_NAME = "memqos"
+MAX_REQUEST = 1 << 24
 _NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")
 
 # dedicated lifecycle RPCs (NRI v0.12; StopContainer since v0.2): (request type, response type, event)
@@ -258,7 +262,8 @@ class NriPlugin:
             return False
         self.stats.connects += 1
         protocol = NriProtocol(self.handler, self.stats.protocol)
-        m = TtrpcMux(reader, writer, serve_conn=PLUGIN_CONN, client_conn=RUNTIME_CONN, handler=protocol.serve)
+        m = TtrpcMux(reader, writer, serve_conn=PLUGIN_CONN, client_conn=RUNTIME_CONN, handler=protocol.serve,
+                     max_request=MAX_REQUEST)
         self.protocol, self.mux = protocol, m
         reading = asyncio.ensure_future(m.run())
         try:

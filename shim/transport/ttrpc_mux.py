@@ -9,7 +9,8 @@ mean is the handler's business: this module knows frames, not services.
 arrival order; a ``TtrpcStatus`` it raises becomes that status, any other exception UNKNOWN
 (as a Go ttrpc service's error does). Everything written for one message goes out in a single
 ``write`` (frames of two messages never interleave on a connection), cut in mux frames of at
-most 4096 payload bytes.
+most 4096 payload bytes. Requests served may be allowed above ttrpc's 4 MiB (``max_request``:
+runtimes on ttrpc <= 1.2.5 send a large message whole); what is sent stays within 4 MiB.
 """
 from __future__ import annotations
 
@@ -50,13 +51,14 @@ async def open_socket(path: str | None = None, fd: int | None = None):
 class TtrpcMux:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, serve_conn: int,
                  client_conn: int, handler: Callable[[ttrpc.Request], ttrpc.Response],
-                 max_frame: int = mux.SEND_FRAME, max_incoming_frame: int = mux.MAX_FRAME):
+                 max_frame: int = mux.SEND_FRAME, max_incoming_frame: int = mux.MAX_FRAME,
+                 max_request: int = ttrpc.MAX_DATA):
         self._reader, self._writer = reader, writer
         self.serve_conn, self.client_conn = serve_conn, client_conn
         self._handler = handler
         self._max_frame = max_frame
         self._demux = mux.MuxDecoder({serve_conn, client_conn}, max_incoming_frame)
-        self._server = ttrpc.Connection(client=False)
+        self._server = ttrpc.Connection(client=False, max_data=max_request)
         self._client = ttrpc.Connection(client=True)
         self._calls: dict[int, asyncio.Future] = {}
         self._closed = asyncio.Event()

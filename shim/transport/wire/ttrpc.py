@@ -198,11 +198,13 @@ class Connection:
     """One ttrpc connection (one side: ``client`` sends requests, otherwise it serves them).
 
     ``receive_data`` reassembles messages from any cut of the byte stream; at most one message
-    of at most ``max_data`` bytes is buffered. ``data_to_send`` returns what is queued."""
+    of at most ``max_data`` bytes is buffered (a larger one is discarded). Messages sent are
+    held to ``max_send``, what a Go peer accepts. ``data_to_send`` returns what is queued."""
 
-    def __init__(self, client: bool, max_data: int = MAX_DATA):
+    def __init__(self, client: bool, max_data: int = MAX_DATA, max_send: int = MAX_DATA):
         self.client = client
         self.max_data = max_data
+        self.max_send = max_send
         self._buf = bytearray()
         self._header: tuple | None = None  # (length, stream id, type, flags) of the message in progress
         self._discard = 0  # bytes of an oversized message still to skip
@@ -215,8 +217,8 @@ class Connection:
     # sending
     def send_request(self, req: Request) -> int:
         data = encode_request(req)
-        if len(data) > self.max_data:
-            raise OversizedMessage(f"ttrpc request of {len(data)} bytes is above {self.max_data}")
+        if len(data) > self.max_send:
+            raise OversizedMessage(f"ttrpc request of {len(data)} bytes is above {self.max_send}")
         stream_id = self._next_stream
         self._next_stream += 2
         self._out += frame(stream_id, REQUEST, data)
@@ -225,9 +227,9 @@ class Connection:
 
     def send_response(self, stream_id: int, resp: Response) -> None:
         data = encode_response(resp)
-        if len(data) > self.max_data:
+        if len(data) > self.max_send:
             data = encode_response(Response(code=RESOURCE_EXHAUSTED, message=(
-                f"ttrpc: response of {len(data)} bytes is above the limit of {self.max_data}")))
+                f"ttrpc: response of {len(data)} bytes is above the limit of {self.max_send}")))
         self._out += frame(stream_id, RESPONSE, data)
 
     def data_to_send(self) -> bytes:
