@@ -307,3 +307,24 @@ def test_plugin_started_by_the_runtime_uses_the_inherited_socket():
             assert plugin.stats.connects == 1
         theirs.detach()
     run(main())
+
+
+def test_plugin_waits_for_a_runtime_that_is_not_there_yet():
+    async def main():
+        path = os.path.join(socket_dir(), "nri.sock")
+
+        async def body(plugin):
+            while plugin.stats.failures < 2:  # connect refused (no socket yet), retried with backoff
+                await asyncio.sleep(0.01)
+            async with FakeNriRuntime(path) as rt:
+                await rt.next_plugin()
+                assert rt.registrations == [("50", "memqos")] and plugin.registered
+        rt = FakeNriRuntime(path)
+        await with_plugin(rt, Handler(), body)
+    run(main())
+
+
+@pytest.mark.parametrize("name, index", [("memqos", "5"), ("memqos", "ab"), ("mem qos", "50"), ("", "50")])
+def test_identity_a_runtime_would_refuse_is_refused_up_front(name, index):
+    with pytest.raises(ValueError):
+        NriPlugin(Handler(), name=name, index=index, env={})

@@ -230,8 +230,10 @@ class NriPlugin:
                 ok = await self._serve_stopping(stop)
                 if self.fd is not None or stop.is_set():
                     return
-                delay = self.backoff[0] if ok else min(delay * 2, self.backoff[1])
+                if ok:
+                    delay = self.backoff[0]
                 wait = delay * random.uniform(0.9, 1.1)
+                delay = min(delay * 2, self.backoff[1])
                 log.info("NRI: reconnecting in %.1fs", wait)
                 try:
                     await asyncio.wait_for(stop.wait(), wait)
@@ -250,7 +252,12 @@ class NriPlugin:
                 self.mux.close("plugin stopping")
             await asyncio.gather(serve, return_exceptions=True)
             return False
-        return serve.result()
+        try:
+            return serve.result()
+        except Exception as e:  # noqa: BLE001 - a bug in one session must not end the plugin
+            log.exception("NRI: session failed")
+            self._failed(f"session failed: {type(e).__name__}: {e}")
+            return False
 
     async def serve_once(self) -> bool:
         """One connection: connect, register, serve until it closes. True when it was

@@ -113,6 +113,9 @@ class TtrpcMux:
             log.warning("closing the ttrpc connection: %s", e)
         except (ConnectionError, OSError) as e:
             reason = f"read failed: {e}"
+        except Exception as e:  # noqa: BLE001 - a bug here closes this connection, not the process
+            reason = f"internal error: {type(e).__name__}: {e}"
+            log.exception("closing the ttrpc connection")
         finally:
             self.close(reason)
 
