@@ -22,6 +22,7 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 from shim.nri import api_pb2 as pb
 from shim.nri.events import event_mask, nri_version
@@ -37,6 +38,7 @@ PLUGIN_CONN, RUNTIME_CONN = 1, 2
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 PLUGIN_NAME = "memqos"
 MAX_REQUEST = 1 << 24
+STOPPING = "plugin stopping"
 _NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")
 
 # dedicated lifecycle RPCs (NRI v0.12; StopContainer since v0.2): (request type, response type, event)
@@ -97,7 +99,7 @@ class NriProtocol:
             raise TtrpcStatus(ttrpc.UNIMPLEMENTED, f"{request.service}/{method} is not implemented by {PLUGIN_NAME}")
         if method in LIFECYCLE:
             req_type, resp_type, event = LIFECYCLE[method]
-            answer = self._lifecycle(event)
+            answer = partial(NriProtocol._lifecycle, event=event, resp_type=resp_type)
         else:
             req_type, resp_type, answer = self._METHODS[method]
         try:
@@ -162,14 +164,10 @@ class NriProtocol:
         self.handler.event(req.event, req.pod, req.container if req.HasField("container") else None)
         return pb.Empty()
 
-    @staticmethod
-    def _lifecycle(event: int):
-        def answer(self, req):
-            container = req.container if "container" in req.DESCRIPTOR.fields_by_name and \
-                req.HasField("container") else None
-            self.handler.event(event, req.pod, container)
-            return LIFECYCLE_RESPONSES[event]()
-        return answer
+    def _lifecycle(self, req, *, event: int, resp_type):
+        has_container = "container" in req.DESCRIPTOR.fields_by_name and req.HasField("container")
+        self.handler.event(event, req.pod, req.container if has_container else None)
+        return resp_type()
 
     _METHODS = {
         "Configure": (pb.ConfigureRequest, pb.ConfigureResponse, _configure),
@@ -180,9 +178,6 @@ class NriProtocol:
         "UpdatePodSandbox": (pb.UpdatePodSandboxRequest, pb.UpdatePodSandboxResponse, _update_pod_sandbox),
         "StateChange": (pb.StateChangeEvent, pb.Empty, _state_change),
     }
-
-
-LIFECYCLE_RESPONSES = {event: resp for _req, resp, event in LIFECYCLE.values()}
 
 
 @dataclass
@@ -249,7 +244,7 @@ class NriPlugin:
         stopper.cancel()
         if not serve.done():
             if self.mux:
-                self.mux.close("plugin stopping")
+                self.mux.close(STOPPING)
             await asyncio.gather(serve, return_exceptions=True)
             return False
         try:
@@ -280,7 +275,8 @@ class NriPlugin:
             self.registered = True
             log.info("NRI: registered as %s-%s", self.index, self.name)
             await m.wait_closed()
-            log.warning("NRI: connection to the runtime closed: %s", m.close_reason)
+            (log.info if m.close_reason == STOPPING else log.warning)(
+                "NRI: connection to the runtime closed: %s", m.close_reason)
         except (TtrpcStatus, ConnectionError, asyncio.TimeoutError) as e:
             self._failed(f"RegisterPlugin: {type(e).__name__}: {e}")
         finally:
