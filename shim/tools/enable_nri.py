@@ -44,8 +44,22 @@ CRIO_TEXT = "# written by memqos-shim (python -m shim.tools.enable_nri): NRI on 
 RESTART = "takes effect when {rt} restarts (drain the node, then `systemctl restart {rt}`); nothing was restarted"
 
 
-def _nri_disable(doc: dict) -> object:
-    return doc.get("plugins", {}).get(NRI_TABLE, {}).get("disable")
+def nri_disable(doc: dict) -> object:
+    """The ``disable`` value of containerd's NRI table in a parsed config.toml (None: not set)."""
+    plugins = doc.get("plugins", {})
+    table = plugins.get(NRI_TABLE, {}) if isinstance(plugins, dict) else {}
+    return table.get("disable") if isinstance(table, dict) else None
+
+
+def read_toml(path: str) -> dict:
+    """A parsed TOML file; ValueError when it does not parse (or there is no TOML reader)."""
+    if tomllib is None:
+        raise ValueError("reading TOML needs Python >= 3.11 (tomllib)")
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except TOMLError as e:
+            raise ValueError(str(e))
 
 
 def containerd_text(text: str) -> tuple[str | None, str]:
@@ -59,7 +73,7 @@ def containerd_text(text: str) -> tuple[str | None, str]:
     version = doc.get("version", 1)
     if version not in (2, 3):
         raise ValueError(f"config version {version!r}: only version 2 (containerd 1.7) and 3 (2.x) files are edited")
-    current = _nri_disable(doc)
+    current = nri_disable(doc)
     if current is False or (version == 3 and current is None):
         return None, "NRI already on (disable = false" + (", the 2.x default)" if current is None else ")")
     lines = text.splitlines(keepends=True)
@@ -80,7 +94,7 @@ def containerd_text(text: str) -> tuple[str | None, str]:
             how = "rewrote its NRI table's disable line to false"
         new = "".join(lines)
     try:
-        check = _nri_disable(tomllib.loads(new))
+        check = nri_disable(tomllib.loads(new))
     except TOMLError as e:
         raise ValueError(f"the edit would not parse ({e}); edit it by hand")
     if check is not False:
