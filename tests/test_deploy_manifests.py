@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import copy
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -137,6 +139,28 @@ def test_the_builder_refuses_what_it_would_not_apply(tmp_path):
                                                  "kind: Kustomization\nresources: []\ncommonLabels: {a: b}\n")
     with pytest.raises(AssertionError, match="commonLabels"):
         build(tmp_path)
+
+
+def named_lists_sorted(x):
+    """Lists of named maps in name order: kustomize puts a patch's new items first, this
+    builder last; the API server does not care."""
+    if isinstance(x, dict):
+        return {k: named_lists_sorted(v) for k, v in x.items()}
+    if isinstance(x, list):
+        x = [named_lists_sorted(v) for v in x]
+        return sorted(x, key=lambda v: v["name"]) if all(isinstance(v, dict) and "name" in v for v in x) else x
+    return x
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl on this machine")
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_the_builder_agrees_with_kubectl_kustomize(name):
+    r = subprocess.run(["kubectl", "kustomize", str(BUILDS[name])], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    theirs = [named_lists_sorted(d) for d in yaml.safe_load_all(r.stdout) if d]
+    mine = [named_lists_sorted(d) for d in build(BUILDS[name])]
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(theirs, key=key) == sorted(mine, key=key)
 
 
 # -- the project's rules -----------------------------------------------------------------------
