@@ -50,7 +50,7 @@ class NriChecks(CheckBase):
                     lines.append(f"containerd: {path} (version 3, containerd 2.x): NRI on by default")
                 else:
                     lines.append(f"containerd: {path} (version {version}) does not set NRI: off on containerd 1.7 "
-                                 "(its default), on for 2.x")
+                                 "(its default), on for 2.x; 1.6 and older have no NRI")
         try:
             value, read = crio_effective(root)
         except (OSError, ValueError) as e:
