@@ -57,6 +57,8 @@ def fake_proc(base: Path, *, psi=True, kubelet_args: list[str] | None = None, mo
 
 
 def env(proc: Path, release="6.1.0-18-amd64", **kw) -> Env:
+    kw.setdefault("nri_socket", str(proc / "no-nri.sock"))  # the host's NRI and /etc stay out of it
+    kw.setdefault("etc_root", str(proc))
     return Env(proc=str(proc), kernel_release=lambda: release, kubelet_env_files=(), kubelet_unit_dirs=(),
                rpc_timeout=2.0, **kw)
 
@@ -337,3 +339,67 @@ def test_reclaim_check_reports_availability_and_the_setting(node):
     (root / "kubepods" / "memory.reclaim").unlink()
     r = Doctor(cfg(reclaim="true", **base), env(fake_proc(node), "5.10.0-1-amd64")).check_reclaim()
     assert r.verdict == WARN and "older than 5.19" in r.summary
+
+
+# -- nri -------------------------------------------------------------------------------------
+def nri_result(tmp_path, sock: Path, files: dict[str, str] | None = None):
+    for rel_path, text in (files or {}).items():
+        p = tmp_path / "etc-root" / rel_path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    (tmp_path / "etc-root").mkdir(exist_ok=True)
+    e = Env(nri_socket=str(sock), etc_root=str(tmp_path / "etc-root"), rpc_timeout=2.0)
+    return Doctor(cfg(), e).check_nri()
+
+
+def short_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="nri-", dir="/tmp"))  # AF_UNIX paths are short
+
+
+def test_nri_listening_socket_is_reachable_and_the_doctor_only_connects(tmp_path):
+    d = short_dir()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(d / "nri.sock"))
+    srv.listen(1)
+    srv.settimeout(5)
+    try:
+        r = nri_result(tmp_path, d / "nri.sock")
+        conn, _ = srv.accept()  # the doctor's connection reached the listener ...
+        conn.settimeout(5)
+        assert conn.recv(64) == b""  # ... sent nothing (no RegisterPlugin) and closed
+        conn.close()
+    finally:
+        srv.close()
+    assert r.verdict == PASS and "accepts connections" in r.summary
+
+
+def test_nri_socket_missing_is_not_enabled_with_the_runtime_config(tmp_path):
+    d = short_dir()
+    r = nri_result(tmp_path, d / "nri.sock", {
+        "etc/containerd/config.toml": 'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  disable = true\n'})
+    assert r.verdict == WARN and "not enabled" in r.summary
+    assert any("disable = true" in x for x in r.details) and any("restart the runtime" in x for x in r.details)
+    r = nri_result(tmp_path, d / "nri.sock", {"etc/containerd/config.toml": "version = 3\n"})
+    assert r.verdict == WARN and "restart the runtime" in r.summary
+    r = nri_result(tmp_path / "c", d / "nri.sock", {"etc/crio/crio.conf.d/10.conf": "[crio.nri]\nenable_nri = false\n"})
+    assert r.verdict == WARN and any("enable_nri = false" in x for x in r.details)
+
+
+def test_nri_regular_file_fails_and_a_dead_socket_fails(tmp_path):
+    d = short_dir()
+    (d / "nri.sock").write_text("")
+    r = nri_result(tmp_path, d / "nri.sock")
+    assert r.verdict == FAIL and "not a socket" in r.summary
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(d / "dead.sock"))
+    dead.close()  # bound, never listening: the file a stopped runtime leaves behind
+    r = nri_result(tmp_path, d / "dead.sock")
+    assert r.verdict == FAIL and "nobody accepts" in r.summary
+
+
+def test_doctor_prints_an_nri_line(node):
+    proc = fake_proc(node)
+    results = by_name(Doctor(cfg(cgroup_root=str(node / "cg"), kubelet_config=str(node / "kubelet.yaml")),
+                             dataclasses.replace(env(proc), nri_socket=str(short_dir() / "none.sock"),
+                                                 etc_root=str(node))).run())
+    assert results["nri"].verdict == WARN

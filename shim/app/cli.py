@@ -295,3 +295,15 @@ def _register_doctor(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_doctor)
+
+
+def _register_health(sub) -> None:
+    from shim.evidence.health import add_arguments, run_check
+
+    p = sub.add_parser("health", help="exit 0 when the running front end's heartbeat file is fresh "
+                                      "(and with --ready, registered): the DaemonSet's exec probes")
+    add_arguments(p)
+    p.set_defaults(func=lambda args: run_check(args, sys.stdout))
+
+
+_EXTRA_COMMANDS.append(_register_health)

@@ -296,6 +296,9 @@ OPTIONS: tuple[Option, ...] = (
            "else cgroupfs)"),
     Option("metrics-address", "str | None", None, _metrics_address,
            "serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT); default: off", "ADDR"),
+    Option("health-file", "str | None", None, _optional_path,
+           "heartbeat file for exec probes (`memqos-shim health --file PATH`): the front end rewrites it every "
+           "few seconds with its state; default: none", "PATH"),
     Option("monitor-interval", "float", 5.0, _non_negative_float,
            "seconds between samples of every managed container's memory.* files (metrics and the memory.high "
            "guard; read in a side thread, never on the CRI path); 0 turns sampling and the guard off", "S"),

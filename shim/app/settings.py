@@ -103,6 +103,9 @@ class Config:
     #: --metrics-address: serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT);
     #: default: off
     metrics_address: str | None = None
+    #: --health-file: heartbeat file for exec probes (`memqos-shim health --file PATH`): the front
+    #: end rewrites it every few seconds with its state; default: none
+    health_file: str | None = None
     #: --monitor-interval: seconds between samples of every managed container's memory.* files
     #: (metrics and the memory.high guard; read in a side thread, never on the CRI path); 0 turns
     #: sampling and the guard off

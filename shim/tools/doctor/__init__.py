@@ -16,6 +16,7 @@ import sys
 from shim.tools.doctor.common import FAIL, PASS, WARN, Env, Result, kernel_version
 from shim.tools.doctor.kubelet import KubeletChecks
 from shim.tools.doctor.node import NodeChecks
+from shim.tools.doctor.nri import NriChecks
 from shim.tools.doctor.service import ShimChecks
 
 __all__ = ["DEFAULT_CONFIG", "FAIL", "PASS", "WARN", "Doctor", "Env", "Result", "cmd_doctor", "format_results",
@@ -24,12 +25,12 @@ __all__ = ["DEFAULT_CONFIG", "FAIL", "PASS", "WARN", "Doctor", "Env", "Result", 
 DEFAULT_CONFIG = "/etc/memqos-shim/config.yaml"
 
 
-class Doctor(NodeChecks, KubeletChecks, ShimChecks):
+class Doctor(NodeChecks, KubeletChecks, ShimChecks, NriChecks):
     """Every check of `memqos-shim doctor`, in the order they print."""
 
     CHECKS = ("check_kernel", "check_psi", "check_cgroup_v2", "check_memory_controller", "check_kubelet_config",
               "check_kubelet_endpoint", "check_upstream", "check_socket", "check_audit_log", "check_guard",
-              "check_metrics", "check_reclaim")
+              "check_metrics", "check_reclaim", "check_nri")
 
     def run(self) -> list[Result]:
         out: list[Result] = []

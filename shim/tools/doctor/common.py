@@ -34,6 +34,8 @@ class Env:
     kubelet_env_files: tuple[str, ...] = KUBELET_ENV_FILES
     kubelet_unit_dirs: tuple[str, ...] = KUBELET_UNIT_DIRS
     rpc_timeout: float = 2.0
+    nri_socket: str | None = None  # None: the nri-socket setting, else /var/run/nri/nri.sock
+    etc_root: str = "/"  # where etc/containerd/config.toml and etc/crio are looked for
 
 
 def read_text(path: str, limit: int = 1 << 16) -> str | None:

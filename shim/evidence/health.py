@@ -1,0 +1,119 @@
+"""A heartbeat file for exec probes: the running front end says it is alive (and whether it is
+connected), `memqos-shim health` reads it.
+
+The DaemonSet's liveness and readiness probes run ``memqos-shim health`` in the plugin's
+container. An httpGet probe would only show that the metrics thread answers, not that the
+event loop runs or that the plugin is registered with the runtime, and it would need the
+metrics (which name pods and containers) on the pod's network address. The file is small JSON,
+replaced atomically (write to a temporary name, then rename), so a reader never sees half of
+it:
+
+    {"pid": 1234, "time": 1700000000.5, "state": "registered", "since": 1699999990.0}
+
+``time`` is refreshed by the event loop every ``interval`` seconds, so a stale ``time`` means
+the loop is stuck or the process is gone (liveness). ``state`` is what the front end reports:
+``registered`` when the runtime has accepted the plugin (readiness), anything else otherwise
+(``connecting``, ``stopping``). Stdlib only, no shim imports: the probe starts a fresh
+interpreter every period and counts against the container's memory limit.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Callable
+
+READY_STATE = "registered"
+
+
+class Heartbeat:
+    """Writes the heartbeat file. ``beat(state)`` from the event loop; ``run(state_fn)`` is a
+    task that beats every ``interval`` seconds until cancelled, then removes the file."""
+
+    def __init__(self, path: str, interval: float = 5.0, clock: Callable[[], float] = time.time):
+        self.path = path
+        self.interval = interval
+        self.clock = clock
+        self.state: str | None = None
+        self.since = 0.0
+        self.failures = 0  # writes that failed (the probe will then fail: that is the report)
+
+    def beat(self, state: str) -> bool:
+        now = self.clock()
+        if state != self.state:
+            self.state, self.since = state, now
+        doc = {"pid": os.getpid(), "time": now, "state": state, "since": self.since}
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(doc))
+            os.replace(tmp, self.path)
+            return True
+        except OSError:
+            self.failures += 1
+            return False
+
+    async def run(self, state_fn: Callable[[], str]) -> None:
+        try:
+            while True:
+                self.beat(state_fn())
+                await asyncio.sleep(self.interval)
+        finally:
+            self.clear()
+
+    def clear(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def check(path: str, max_age: float, ready: bool = False, now: float | None = None) -> tuple[bool, str]:
+    """(healthy, one line why). Liveness: the file exists, parses and is at most ``max_age``
+    seconds old. With ``ready``: also in the registered state."""
+    now = time.time() if now is None else now
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(4096))
+        t, state = float(doc["time"]), str(doc["state"])
+    except FileNotFoundError:
+        return False, f"no heartbeat at {path}: the front end has not started (or has stopped)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return False, f"unreadable heartbeat {path}: {e.__class__.__name__}: {e}"
+    age = now - t
+    if age > max_age:
+        return False, f"heartbeat {age:.0f} s old (> {max_age:g} s): the event loop is stuck or the process is gone"
+    if ready and state != READY_STATE:
+        return False, f"state {state!r} for {now - float(doc.get('since', t)):.0f} s: not registered with the runtime"
+    return True, f"state {state!r}, heartbeat {age:.1f} s old"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shim.evidence.health --file F [--max-age S] [--ready]`` (what ``memqos-shim
+    health`` runs)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="memqos-shim health", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run_check(args, sys.stdout)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--file", required=True, metavar="PATH", help="the heartbeat file (the health-file setting)")
+    p.add_argument("--max-age", type=float, default=30.0, metavar="SECONDS",
+                   help="older than this is unhealthy (default 30)")
+    p.add_argument("--ready", action="store_true", help="also require the registered state (readiness)")
+
+
+def run_check(args, out) -> int:
+    ok, why = check(args.file, args.max_age, args.ready)
+    out.write(f"{'ok' if ok else 'unhealthy'}: {why}\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
