@@ -31,8 +31,9 @@ from shim.transport.wire.h2 import (
 class Refusing:
     def _refuse(self, data: bytes) -> None:
         if self.cbuf:
-            data = bytes(self.cbuf + data)
-            self.cbuf = bytearray()
+            data = self._client_bytes(data)  # limits.py
+            if data is None:
+                return
         n = len(data)
         pos = self._preface(data) if self.preface_left else 0
         out: list[bytes] = []
@@ -69,7 +70,7 @@ class Refusing:
                     self._finish(call, call.ended_code(self.clock()), "")
             pos = end
         if pos < n:
-            self.cbuf = bytearray(memoryview(data)[pos:])
+            self._client_tail(data, pos, n)
         if self.answered and not self.streams:
             out.append(goaway(self.last_client_sid))
             self.client.write(b"".join(out))
