@@ -92,8 +92,9 @@ def continuations(data, p: int, n: int, size: int, count: int, max_frame: int, m
         if p + 9 + length > n:
             # counted now, its payload still to come: resume at the frame (counted again then)
             return p, size - length, count - 1, False
+        ended = data[p + 4] & END_HEADERS
         p += 9 + length
-        if data[p - 9 + 4] & END_HEADERS:
+        if ended:
             return p, size, count, True
     return p, size, count, False
 
