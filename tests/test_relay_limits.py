@@ -471,3 +471,50 @@ def test_the_idle_timeout_is_off_by_default_and_closes_an_idle_connection_when_s
     frames = c2.read(10)
     assert c2.closed and goaway_code(frames) == 0
     assert h2.relay.limit_hits["idle_timeout"] == 1
+
+
+# ------------------------------------------------------------------------------ the shim's settings and metric
+
+
+def test_serve_settings_reach_the_relay_and_hits_are_a_metric(tmp_path):
+    """`serve --h2-max-concurrent-streams 2`: the third open stream is refused, and
+    memqos_h2_limit_hits{limit="concurrent_streams"} counts it."""
+    from shim.app.cli import build_parser
+    from shim.app.config import resolve
+    from shim.app.service import Service
+
+    sockets = tempfile.mkdtemp(prefix="mqsv-")
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cgroup.controllers").write_text("cpu memory\n")
+    (tmp_path / "meminfo").write_text("MemTotal:       8000000 kB\n")
+    cfg = resolve(build_parser().parse_args([
+        "serve", "--listen", f"unix://{sockets}/shim.sock", "--upstream", f"unix://{sockets}/rt.sock",
+        "--kubelet-config", "none", "--meminfo", str(tmp_path / "meminfo"), "--cgroup-root", str(tmp_path / "cg"),
+        "--page-size", "4096", "--audit-log", str(tmp_path / "audit.jsonl"), "--reconcile", "false",
+        "--monitor-interval", "0", "--metrics-address", "127.0.0.1:0", "--h2-max-concurrent-streams", "2"]))
+    assert cfg.h2_max_concurrent_streams == 2 and cfg.h2_max_header_block == MiB
+
+    async def run():
+        runtime = SilentRuntime(f"{sockets}/rt.sock")
+        await runtime.start()
+        service = Service.from_config(cfg)
+        await service.start()
+        try:
+            def client():
+                c = Client(f"{sockets}/shim.sock")
+                c.send(b"".join(frame(HEADERS, END_HEADERS, sid, block()) for sid in (1, 3, 5)))
+                wait_for(lambda: any(f[0] == RST_STREAM for f in c.read(0.1, until_closed=False)))
+                c.close()
+                return [(f[2], int.from_bytes(f[3], "big")) for f in c.frames if f[0] == RST_STREAM]
+
+            refused = await asyncio.get_running_loop().run_in_executor(None, client)
+            return refused, service.metrics.render().decode()
+        finally:
+            await service.stop()
+            runtime.server.close()
+
+    refused, metrics = asyncio.run(run())
+    shutil.rmtree(sockets, ignore_errors=True)
+    assert refused == [(5, REFUSED_STREAM)]
+    assert 'memqos_h2_limit_hits_total{limit="concurrent_streams"} 1.0' in metrics
+    assert 'memqos_h2_limit_hits_total{limit="header_block"} 0.0' in metrics

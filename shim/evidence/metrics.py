@@ -108,6 +108,14 @@ class _LiveCollector:
                                           "audit records dropped because the writer was behind")
             dropped.add_metric([], float(audit.dropped))
             yield dropped
+        relay = m.relay
+        if relay is not None:
+            hits = CounterMetricFamily("memqos_h2_limit_hits", "times a kubelet connection hit one of the relay's "
+                                       "HTTP/2 limits (GOAWAY and closed, or the stream refused), by limit",
+                                       labels=("limit",))
+            for name, n in list(relay.limit_hits.items()):
+                hits.add_metric([name], float(n))
+            yield hits
         rec = m.reconciler
         if rec is not None:
             resyncs = CounterMetricFamily("memqos_reconciler_resyncs", "completed reconciler resyncs with the runtime")
@@ -258,6 +266,7 @@ class Metrics:
         self.audit = None
         self.monitor = None
         self.reconciler = None
+        self.relay = None  # the relay transport: its limit_hits
         r.register(_LiveCollector(self))
         self.observer = CriObserver(self)
         self._server = None
@@ -265,7 +274,7 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     # -- wiring
-    def attach(self, *, audit=None, monitor=None, reconciler=None) -> "Metrics":
+    def attach(self, *, audit=None, monitor=None, reconciler=None, relay=None) -> "Metrics":
         if audit is not None:
             self.audit = audit
             audit.add_listener(self.on_audit)
@@ -284,6 +293,8 @@ class Metrics:
                                          f"{rc.backoff:g}").set(1)
         if reconciler is not None:
             self.reconciler = reconciler
+        if relay is not None:
+            self.relay = relay
         return self
 
     def timed(self, rewriter) -> TimedRewriter:

@@ -306,7 +306,7 @@ def run_probes(attacks=ATTACKS, conns: int = 4, seconds: float = 5.0, max_bytes:
     ``seconds`` and ``max_bytes`` per connection."""
     tmp = tempfile.mkdtemp(prefix="h2lim-")
     runtime_sock, relay_sock = f"{tmp}/runtime.sock", f"{tmp}/relay.sock"
-    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve() if tree else ROOT))
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve() if tree else ROOT))  # and its cwd: -c puts it first
     procs = []
     rows: list[dict] = []
     try:
@@ -316,7 +316,7 @@ def run_probes(attacks=ATTACKS, conns: int = 4, seconds: float = 5.0, max_bytes:
         procs.append(rt)
         _wait_for_socket(runtime_sock, rt)
         relay = subprocess.Popen([sys.executable, "-c", _SERVE, relay_sock, runtime_sock], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 cwd=env["PYTHONPATH"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(relay)
         _wait_for_socket(relay_sock, relay)
         good = GoodClient(relay_sock)
