@@ -142,8 +142,13 @@ class Harness:
         return self.call(get())
 
     def close(self) -> None:
-        self.call(self.relay.stop(0))
-        self.runtime.server.close()
+        async def shut():  # on the loop's thread
+            await self.relay.stop(0)
+            self.runtime.server.close()
+            for w in self.runtime.writers:
+                w.close()
+
+        self.call(shut())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -518,3 +523,16 @@ def test_serve_settings_reach_the_relay_and_hits_are_a_metric(tmp_path):
     assert refused == [(5, REFUSED_STREAM)]
     assert 'memqos_h2_limit_hits_total{limit="concurrent_streams"} 1.0' in metrics
     assert 'memqos_h2_limit_hits_total{limit="header_block"} 0.0' in metrics
+
+
+def test_the_h2_limits_probe_runs_on_this_tree():
+    """scripts/h2-limits' probe (shim.tools.h2_limits.run_probes), one short attack: the relay
+    in its subprocess trips it and the well-behaved client gets its answers."""
+    from shim.tools.h2_limits import format_table, run_probes
+
+    rows = run_probes(attacks=("window-overflow",), conns=2, seconds=3.0, max_bytes=1 << 20, baseline_seconds=0.3)
+    assert [r["attack"] for r in rows] == ["none", "window-overflow"]
+    row = rows[1]
+    assert row["closed"] == 2 and row["goaway"] == ["FLOW_CONTROL_ERROR"]
+    assert rows[0]["good_calls"] > 0 and rows[0]["good_errors"] == 0
+    assert "window-overflow" in format_table(rows)
