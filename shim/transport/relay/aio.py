@@ -29,6 +29,7 @@ from shim.transport.hooks import (
 from shim.transport.relay.calls import request_reader
 from shim.transport.relay.connection import Connection
 from shim.transport.relay.limits import LIMIT_NAMES, H2Limits
+from shim.transport.wire.h2 import PREFACE
 from shim.transport.unixsock import ThrottledLog, bind_private, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger("shim.transport.relay")
@@ -158,6 +159,8 @@ class _ClientSide(asyncio.Protocol):
     def _preface_due(self) -> None:
         """``preface_timeout`` after the accept: a connection without its preface is closed."""
         conn = self.conn
+        if self.early is not None and self.early_bytes >= len(PREFACE):
+            return  # the upstream is still connecting: the Connection checks the preface when fed
         if conn.mode != "closed" and conn.preface_left:
             self.relay.limit_hit("preface_timeout", f"no HTTP/2 preface after {self.relay.limits.preface_timeout:g} s")
             conn.close("CANCELLED", "memqos-shim: no HTTP/2 preface")
