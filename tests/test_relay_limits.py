@@ -295,30 +295,25 @@ def test_the_client_is_told_the_header_list_size_and_stream_limits(harness):
     assert frames is not None
 
 
-def test_header_block_assembly_is_linear(monkeypatch):
-    """A header block arriving one CONTINUATION per read: the bytes the relay's scans look at
-    (frame scans, buffers joined, the block walk) stay a small multiple of the block, where a
-    rescan from the block's start on every read would look at ~frames/2 times it."""
-    import shim.transport.relay.client_side as client_side
-    import shim.transport.wire.h2 as h2
-
+def count_scans(monkeypatch, side_module: str) -> list[int]:
+    """Count the bytes the relay's scans look at on one side: its frame scans, the buffers it
+    joins, the header-block walk (where they exist: the test also runs on older trees)."""
     looked = [0]
-    scan = client_side.frames
+    side = importlib.import_module(side_module)
+    scan = side.frames
 
     def counting_frames(data, pos, n):
         looked[0] += n - pos
         return scan(data, pos, n)
 
-    monkeypatch.setattr(client_side, "frames", counting_frames)
-    for mod_name in ("shim.transport.relay.client_side", "shim.transport.relay.limits"):
+    monkeypatch.setattr(side, "frames", counting_frames)
+    for mod_name in (side_module, "shim.transport.relay.limits"):
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:
             continue
         if hasattr(mod, "joined"):
-            orig = mod.joined
-
-            def counting_joined(*a, _orig=orig, **kw):
+            def counting_joined(*a, _orig=mod.joined, **kw):
                 out = _orig(*a, **kw)
                 if out is not None:
                     looked[0] += len(out)
@@ -326,28 +321,60 @@ def test_header_block_assembly_is_linear(monkeypatch):
 
             monkeypatch.setattr(mod, "joined", counting_joined)
         if hasattr(mod, "continuations"):
-            walk = mod.continuations
-
-            def counting_walk(data, p, n, *a, _walk=walk):
+            def counting_walk(data, p, n, *a, _walk=mod.continuations):
                 out = _walk(data, p, n, *a)
                 looked[0] += out[0] - p + 9
                 return out
 
             monkeypatch.setattr(mod, "continuations", counting_walk)
-    assert h2.frames is not None
+    return looked
 
+
+def in_frames(ftype: int, sid: int, b: bytes, size: int, flags: int = 0) -> list[bytes]:
+    """A header block as a HEADERS frame and CONTINUATION frames of ``size`` bytes."""
+    parts = [b[i:i + size] for i in range(0, len(b), size)]
+    return [frame(ftype, flags, sid, parts[0])] + [
+        frame(CONTINUATION, END_HEADERS if i == len(parts) - 1 else 0, sid, p) for i, p in enumerate(parts[1:], 1)]
+
+
+def test_header_block_assembly_is_linear(monkeypatch):
+    """A header block arriving one CONTINUATION per read: the bytes the relay's scans look at
+    stay a small multiple of the block, where a rescan from the block's start on every read
+    would look at ~frames/2 times it."""
+    looked = count_scans(monkeypatch, "shim.transport.relay.client_side")
     relay = RelayProxy("/nonexistent/a.sock", "/nonexistent/b.sock", Hooks(), methods=CRI_METHODS)
     conn = Connection(relay, Buffer())
     conn.relay_to(Buffer())
     conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
     b = block(pad=24000)
-    parts = [b[i:i + 240] for i in range(0, len(b), 240)]
-    assert 100 < len(parts) <= 128  # within the default CONTINUATION count
-    conn.from_client(frame(HEADERS, 0, 1, parts[0]))
-    for i, p in enumerate(parts[1:], 1):
-        conn.from_client(frame(CONTINUATION, END_HEADERS if i == len(parts) - 1 else 0, 1, p))
+    pieces = in_frames(HEADERS, 1, b, 240)
+    assert 100 < len(pieces) <= 129  # within the default CONTINUATION count
+    for piece in pieces:
+        conn.from_client(piece)
     assert list(conn.streams) == [1]  # the block decoded, the call opened
-    total = len(b) + 9 * len(parts)
+    total = sum(map(len, pieces))
+    assert looked[0] <= 4 * total, f"looked at {looked[0]} bytes for a {total}-byte block"
+
+
+def test_the_runtimes_header_block_assembly_is_linear(monkeypatch):
+    """The same for the runtime's answer headers in many CONTINUATIONs, one per read: forwarded
+    whole to the client, with linear work."""
+    looked = count_scans(monkeypatch, "shim.transport.relay.server_side")
+    relay = RelayProxy("/nonexistent/a.sock", "/nonexistent/b.sock", Hooks(), methods=CRI_METHODS)
+    client, upstream = Buffer(), Buffer()
+    conn = Connection(relay, client)
+    conn.relay_to(upstream)
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS | END_STREAM, 1, block()))
+    client.take()
+    answer = literal(b":status", b"200") + literal(b"content-type", b"application/grpc")
+    for _ in range(300):
+        answer += literal(b"x-pad", b"p" * 100)
+    pieces = in_frames(HEADERS, 1, answer, 200)
+    assert len(pieces) > 150
+    for piece in pieces:
+        conn.from_server(piece)
+    assert client.take() == b"".join(pieces)  # forwarded whole, in order
+    total = sum(map(len, pieces))
     assert looked[0] <= 4 * total, f"looked at {looked[0]} bytes for a {total}-byte block"
 
 

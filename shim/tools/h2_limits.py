@@ -41,7 +41,6 @@ from shim.transport.wire.h2 import (
     GOAWAY,
     HEADERS,
     PREFACE,
-    RST_STREAM,
     SETTINGS,
     frame,
     rst_stream,

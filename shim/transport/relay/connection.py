@@ -81,6 +81,7 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
         # CONTINUATIONs) or None; the largest frame the client may send; streams refused in the
         # chunk at hand; the rapid-reset allowance; whether the runtime's first SETTINGS went by
         self.c_block: tuple[int, int, int] | None = None
+        self.s_block: int | None = None  # the same for the runtime's header block in sbuf: walked so far
         self.max_frame_in = DEFAULT_MAX_FRAME
         self.refused_sids: list[int] = []
         self.reset_tokens = float(self.limits.reset_burst)

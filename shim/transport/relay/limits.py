@@ -7,7 +7,8 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
 * a header block (HEADERS + CONTINUATION) above ``max_header_block`` bytes or in more than
   ``max_continuations`` CONTINUATION frames: GOAWAY ENHANCE_YOUR_CALM, closed (the block is
   walked frame by frame as it arrives, ``wire.h2.continuations``: linear in its size, and
-  never kept beyond the limit); SETTINGS_MAX_HEADER_LIST_SIZE is advertised to the client;
+  never kept beyond the limit); SETTINGS_MAX_HEADER_LIST_SIZE is advertised to the client. The
+  runtime's header blocks are walked the same way (linear), not limited;
 * a frame above the SETTINGS_MAX_FRAME_SIZE the client was given (16384 until the runtime
   advertises more, at most ``max_frame_size``): GOAWAY FRAME_SIZE_ERROR, judged from the
   9-byte frame header before its payload is kept;
@@ -85,6 +86,12 @@ class H2Limits:
             raise ValueError("reset_rate and preface_timeout must be positive, idle_timeout not negative")
 
 
+def _walk(data, p: int, n: int | None = None) -> tuple[int, bool]:
+    """The runtime's CONTINUATIONs from ``p``: where the walk stopped, END_HEADERS seen."""
+    p, _, _, done = continuations(data, p, len(data) if n is None else n, 0, 0, 1 << 24, 1 << 62, 1 << 62)
+    return p, done
+
+
 class Guarded:
     """The part of ``Connection`` that applies ``H2Limits`` (``self.limits``) to the client's
     bytes, and to the SETTINGS the runtime sends the client."""
@@ -125,6 +132,32 @@ class Guarded:
                                                      lim.max_header_block, lim.max_continuations)
                 self.c_block = (scan - pos, size, count)
         self.cbuf = bytearray(memoryview(data)[pos:n])
+
+    def _server_bytes(self, data: bytes) -> bytes | None:
+        """The runtime's side of ``_client_bytes``: a header block it sends in many reads is
+        walked as it arrives too (linear), though not limited (the runtime is not policed)."""
+        if self.s_block is not None:
+            buf = self.sbuf
+            buf += data
+            scan, done = _walk(buf, self.s_block)
+            if not done:
+                self.s_block = scan
+                return None
+            self.s_block = None
+            self.sbuf = bytearray()
+            return bytes(buf)
+        data = joined(self.sbuf, data, stream_data=True)
+        if data is not None:
+            self.sbuf = bytearray()
+        return data
+
+    def _server_tail(self, data: bytes, pos: int, n: int) -> None:
+        """Keep ``data[pos:n]``; a header block whose first frame is there is walked from now on."""
+        if n - pos >= 9 and data[pos + 3] in (HEADERS, PUSH_PROMISE) and not data[pos + 4] & END_HEADERS:
+            first_end = pos + 9 + frame_length(data, pos)
+            if first_end <= n:
+                self.s_block = _walk(data, first_end, n)[0] - pos
+        self.sbuf = bytearray(memoryview(data)[pos:n])
 
     def _check_unit(self, data: bytes, ftype: int, flags: int, pos: int, end: int) -> None:
         """A complete unit from the client that is larger than a frame may be, or a header block

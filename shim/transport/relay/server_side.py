@@ -40,7 +40,6 @@ from shim.transport.wire.h2 import (
     data_payload,
     frames,
     header_block,
-    joined,
     TRIMMED,
     settings_items,
     u31,
@@ -53,10 +52,9 @@ EARLY_WRITE_BYTES = 32 * 1024  # a server chunk this large gets its leading DATA
 class ServerToClient:
     def _relay_server(self, data: bytes) -> None:
         if self.sbuf:
-            data = joined(self.sbuf, data, stream_data=True)
+            data = self._server_bytes(data)  # limits.py
             if data is None:
                 return
-            self.sbuf = bytearray()
         n = len(data)
         self.s_out = pos = 0
         pending = self.s_pending  # empty: every chunk writes what it gathered
@@ -115,7 +113,7 @@ class ServerToClient:
                 pending.append(memoryview(data)[out_start:pos])
             send(self.client, pending)
         if pos < n:
-            self.sbuf = bytearray(memoryview(data)[pos:])
+            self._server_tail(data, pos, n)
         self._after()
 
     def _cut(self, data: bytes, pos: int, end: int) -> None:
