@@ -63,7 +63,9 @@ counts for those stream windows only once the client's ACK of it has gone upstre
 resets a stream whose DATA exceeds the acknowledged window); a lowered one counts at once. Server WINDOW_UPDATEs on the connection are passed
 on only as far as the server's window exceeds what the client may already send plus what is
 queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
-(held, dropped or cancelled bytes), the relay grants it to the client itself. Everything else
+(held, dropped or cancelled bytes), the relay grants it to the client itself. The other
+direction's connection window is only counted (``Windows.to_client``), to refuse a client
+WINDOW_UPDATE that takes it past 2^31-1. Everything else
 is forwarded verbatim: what the relay does not understand, it does not touch.
 """
 from __future__ import annotations

@@ -284,7 +284,8 @@ class RelayProxy:
         # times each HTTP/2 limit was hit (limits.py), by name: read by the shim's metrics
         self.limit_hits: dict[str, int] = dict.fromkeys(LIMIT_NAMES, 0)
         self._limit_logs = {name: ThrottledLog(f"HTTP/2 limit {name}", level=logging.WARNING,
-                                               outcome="the relay refused it (GOAWAY or RST_STREAM)")
+                                               outcome="the connection was closed (after GOAWAY once HTTP/2 had "
+                                               "started) or the stream refused")
                             for name in LIMIT_NAMES}
         self.hooks = hooks
         self.held_methods = frozenset(hooks.held_methods)
