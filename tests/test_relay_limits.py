@@ -441,6 +441,37 @@ def test_a_window_update_past_2_31_from_the_runtime_is_a_flow_control_error(harn
     assert h.relay.limit_hits["window_overflow"] == 1
 
 
+def test_a_runtime_window_update_past_2_31_on_a_held_stream_resets_that_stream(harness):
+    """The relay sends a held (rewritten) request within the runtime's stream window, which it
+    counts: a WINDOW_UPDATE taking that window past 2^31-1 resets the stream alone
+    (RST_STREAM FLOW_CONTROL_ERROR upstream, INTERNAL to the client), the connection stays."""
+    h = harness()
+    c = Client(h.listen)
+    message = b"\x00" + (100_000).to_bytes(4, "big") + b"m" * 100_000
+    chunks = [message[i:i + 16384] for i in range(0, len(message), 16384)]
+    c.send(frame(HEADERS, END_HEADERS, 1, block(CREATE_CONTAINER)) + b"".join(frame(DATA, 0, 1, x) for x in chunks[:3]))
+    # the relay gives the held bytes' window back to the client
+    assert wait_for(lambda: any(f[0] == WINDOW_UPDATE and f[2] == 0 for f in c.read(0.1, until_closed=False)))
+    c.send(b"".join(frame(DATA, END_STREAM if i == len(chunks) - 1 else 0, 1, x)
+                    for i, x in enumerate(chunks) if i >= 3))
+    # the message goes upstream in 16 KiB frames as far as the runtime's 65535-byte windows take it
+    assert wait_for(lambda: sum(len(f[3]) for f in h.runtime.frames() if f[0] == DATA) == 3 * 16384)
+    left = 65535 - 3 * 16384
+    h.call(h.runtime.send(window_update(1, (1 << 31) - 1 - left)))  # the stream's window: 2^31-1 exactly
+    time.sleep(0.2)
+    assert RST_STREAM not in [f[0] for f in h.runtime.frames()]
+    h.call(h.runtime.send(window_update(1, 1)))  # one past
+    assert wait_for(lambda: (RST_STREAM, 1) in [(f[0], f[2]) for f in h.runtime.frames()])
+    rst_codes = [int.from_bytes(f[3], "big") for f in h.runtime.frames() if f[0] == RST_STREAM]
+    assert rst_codes == [FLOW_CONTROL_ERROR]
+    assert wait_for(lambda: any(f[0] == HEADERS and f[2] == 1 and f[1] & END_STREAM
+                                for f in c.read(0.1, until_closed=False)))
+    trailers = [f[3] for f in c.frames if f[0] == HEADERS and f[2] == 1][-1]
+    assert literal(b"grpc-status", b"13") in trailers
+    assert not c.closed
+    assert h.relay.limit_hits["window_overflow"] == 1
+
+
 # ------------------------------------------------------------------------------ streams
 
 
