@@ -281,6 +281,27 @@ def test_a_large_block_within_the_limit_still_goes_through(harness):
     assert [1] == [sid for conn in h.conns() for sid in conn.streams]
 
 
+def test_a_small_block_that_decodes_to_a_huge_header_list_is_refused(harness):
+    """An HPACK bomb: one 4000-byte field put in the dynamic table, then referenced 300 times
+    (1 byte each): a 4.3 KB block whose header list is 1.2 MB, above the advertised
+    SETTINGS_MAX_HEADER_LIST_SIZE (1 MiB). GOAWAY ENHANCE_YOUR_CALM, nothing forwarded."""
+    h = harness()
+    c = Client(h.listen)
+    value = b"v" * 4000
+    bomb = block() + b"\x40\x05x-big" + bytes([0x7F, 4000 - 127 - 128 * ((4000 - 127) // 128) | 0x80,
+                                                 (4000 - 127) // 128]) + value + b"\xbe" * 300
+    c.send(frame(HEADERS, END_HEADERS, 1, bomb))
+    assert goaway_code(c.read(10)) == ENHANCE_YOUR_CALM and c.closed
+    assert h.relay.limit_hits["header_block"] == 1
+    assert HEADERS not in [f[0] for f in h.runtime.frames()]
+    # the same block with 200 references (0.8 MB) is a header list within the limit
+    h2 = harness()
+    c2 = Client(h2.listen)
+    c2.send(frame(HEADERS, END_HEADERS, 1, bomb[:-100]))
+    assert wait_for(lambda: HEADERS in [f[0] for f in h2.runtime.frames()])
+    assert not c2.read(0.2, until_closed=False) or goaway_code(c2.frames) is None
+
+
 def test_the_client_is_told_the_header_list_size_and_stream_limits(harness):
     """The runtime's first SETTINGS reaches the client with SETTINGS_MAX_HEADER_LIST_SIZE and
     SETTINGS_MAX_CONCURRENT_STREAMS (the relay's limits) added."""

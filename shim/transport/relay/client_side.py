@@ -10,13 +10,14 @@ dropped, DATA the windows cannot take yet queued, the rest forwarded in order.
 """
 from __future__ import annotations
 
-from shim.transport.wire.hpack import HpackError
+from shim.transport.wire.hpack import HeaderListTooLarge, HpackError
 from shim.transport.relay.writes import send
 from shim.transport.wire.h2 import (
     ACK,
     DATA,
     END_HEADERS,
     END_STREAM,
+    ERR_ENHANCE_YOUR_CALM,
     ERR_FLOW_CONTROL,
     HEADERS,
     MAX_WINDOW,
@@ -84,6 +85,8 @@ class ClientToServer:
                 try:
                     info = self.cdec.info(data[fpos + 9:end] if flags & TRIMMED == END_HEADERS
                                           else header_block(data, ftype, flags, fpos, end), self.relay.request_info)
+                except HeaderListTooLarge as e:
+                    raise H2Error(ERR_ENHANCE_YOUR_CALM, "header_block", f"request headers: {e}") from None
                 except HpackError as e:
                     raise ProtocolError(f"request headers: {e}") from None
                 if sid > self.last_client_sid:  # else trailers (gRPC clients send none)

@@ -90,7 +90,7 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
         self.preface_left = len(PREFACE)
         self.streams: dict[int, Call] = {}
         self.last_client_sid = 0
-        self.cdec = Decoder()
+        self.cdec = Decoder(max_list=self.limits.max_header_block)  # what SETTINGS_MAX_HEADER_LIST_SIZE says
         self.sdec = Decoder()
         self.windows = Windows()
         self.repay_streams: dict[int, int] = {}  # held streams' DATA to give back to the client
