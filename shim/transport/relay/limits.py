@@ -7,7 +7,9 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
 * a header block (HEADERS + CONTINUATION) above ``max_header_block`` bytes or in more than
   ``max_continuations`` CONTINUATION frames: GOAWAY ENHANCE_YOUR_CALM, closed (the block is
   walked frame by frame as it arrives, ``wire.h2.continuations``: linear in its size, and
-  never kept beyond the limit); SETTINGS_MAX_HEADER_LIST_SIZE is advertised to the client. The
+  never kept beyond the limit); a block that decodes to a header list above the same size
+  (``hpack.Decoder.max_list``) is refused the same way, the size being advertised to the client
+  as SETTINGS_MAX_HEADER_LIST_SIZE. The
   runtime's header blocks are walked the same way (linear), not limited;
 * a frame above the SETTINGS_MAX_FRAME_SIZE the client was given (16384 until the runtime
   advertises more, at most ``max_frame_size``): GOAWAY FRAME_SIZE_ERROR, judged from the
