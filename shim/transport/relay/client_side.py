@@ -96,8 +96,12 @@ class ClientToServer:
                         self.refused_sids.append(sid)
                     else:
                         call = self._new_call(sid, info)
-                        if flags & END_STREAM and call.hold is not None:
-                            verbatim = False
+                        if call.hold is not None:
+                            # the relay sends its DATA itself: the runtime's window for it counts
+                            # from now (a WINDOW_UPDATE may come before the message is complete)
+                            self.windows.own_stream(sid)
+                            if flags & END_STREAM:
+                                verbatim = False
                 if sid in qsids:
                     verbatim = False
             else:

@@ -223,6 +223,8 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
         self.streams.pop(call.sid, None)
         if call.hold is not None:
             self._drop_hold(call)
+        if call.held:
+            self.windows.forget(call.sid)  # its window, counted from its start (client_side.py)
         fc = call.finished(code, details, self.clock())
         if self.deferring:
             self.defer.append(fc)
