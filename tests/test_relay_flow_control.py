@@ -196,6 +196,30 @@ def test_unacknowledged_window_increase_is_not_spent_on_a_held_request(relay_con
     assert hooks.rewrites == [(CREATE_CONTAINER, message)]
 
 
+def test_a_stream_window_update_before_the_held_message_is_complete_counts(relay_connection):
+    """The runtime opens a held stream's window (WINDOW_UPDATE on the stream) while the relay
+    still holds its message: the relay counts it, and sends the rewritten message whole at its
+    end instead of stopping at the initial window and waiting for an update that already came."""
+    conn, client, upstream, hooks = relay_connection
+    runtime = Runtime()
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
+    runtime.sends_settings(65535)
+    conn.from_server(settings(initial_window=65535) + window_update(0, 64 << 20))
+    runtime.conn += 64 << 20
+    conn.from_client(settings_ack())
+    message = request_for(CREATE_CONTAINER, size=300 * 1024)
+    headers, data = create_container_call(message)
+    conn.from_client(headers + data[0])
+    runtime.sends_window_update(SID, 1 << 20)
+    conn.from_server(window_update(SID, 1 << 20))
+    conn.from_client(b"".join(data[1:]))
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    assert runtime.ended
+    rewritten = added(CREATE_CONTAINER, message)
+    assert bytes(runtime.message) == b"\x00" + len(rewritten).to_bytes(4, "big") + rewritten
+
+
 def test_window_decrease_counts_before_its_acknowledgement(relay_connection):
     """A lower initial window counts at once (the runtime may already apply it): DATA sent
     after the relay saw it stays within the lower window."""
