@@ -196,6 +196,30 @@ def test_unacknowledged_window_increase_is_not_spent_on_a_held_request(relay_con
     assert hooks.rewrites == [(CREATE_CONTAINER, message)]
 
 
+def test_a_stream_window_update_before_the_held_message_is_complete_counts(relay_connection):
+    """The runtime opens a held stream's window (WINDOW_UPDATE on the stream) while the relay
+    still holds its message: the relay counts it, and sends the rewritten message whole at its
+    end instead of stopping at the initial window and waiting for an update that already came."""
+    conn, client, upstream, hooks = relay_connection
+    runtime = Runtime()
+    conn.from_client(PREFACE + frame(SETTINGS, 0, 0))
+    runtime.sends_settings(65535)
+    conn.from_server(settings(initial_window=65535) + window_update(0, 64 << 20))
+    runtime.conn += 64 << 20
+    conn.from_client(settings_ack())
+    message = request_for(CREATE_CONTAINER, size=300 * 1024)
+    headers, data = create_container_call(message)
+    conn.from_client(headers + data[0])
+    runtime.sends_window_update(SID, 1 << 20)
+    conn.from_server(window_update(SID, 1 << 20))
+    conn.from_client(b"".join(data[1:]))
+    runtime.check(upstream)
+    assert not runtime.errors, runtime.errors[:3]
+    assert runtime.ended
+    rewritten = added(CREATE_CONTAINER, message)
+    assert bytes(runtime.message) == b"\x00" + len(rewritten).to_bytes(4, "big") + rewritten
+
+
 def test_window_decrease_counts_before_its_acknowledgement(relay_connection):
     """A lower initial window counts at once (the runtime may already apply it): DATA sent
     after the relay saw it stays within the lower window."""
@@ -302,17 +326,38 @@ def test_held_requests_never_overflow_the_runtimes_windows(data):
         headers, frames = create_container_call(message, sid, encoder)
         calls.append([sid, message, [headers] + frames])
 
-    def step(action: str) -> None:
+    # the client keeps to the connection window it was given (the relay refuses DATA beyond it)
+    window = {"left": 65535, "seen": 0}
+
+    def client_window() -> int:
+        for ftype, _, sid, payload in parse(bytes(client.out[window["seen"]:])):
+            if ftype == WINDOW_UPDATE and sid == 0:
+                window["left"] += int.from_bytes(payload, "big")
+        window["seen"] = len(client.out)
+        return window["left"]
+
+    def step(action: str) -> bool:
         nonlocal acks_owed
         if action == "client":
             waiting = [c for c in calls if c[2]]
             if not waiting:
-                return
+                return False
             # streams open in order: a call's HEADERS only after every earlier call's
             opened = [c for c in waiting if c is waiting[0] or not c[2][0][3] == HEADERS]
             c = data.draw(st.sampled_from(opened), "call")
             n = data.draw(st.integers(1, 4), "frames")
-            chunk, c[2] = b"".join(c[2][:n]), c[2][n:]
+            left = client_window()
+            take = 0
+            for f in c[2][:n]:
+                size = int.from_bytes(f[:3], "big") if f[3] == DATA else 0
+                if size > left:
+                    break
+                left -= size
+                take += 1
+            if not take:
+                return False
+            window["left"] = left
+            chunk, c[2] = b"".join(c[2][:take]), c[2][take:]
             conn.from_client(chunk)
         elif action == "settings":
             value = data.draw(st.sampled_from([0, 1000, 16384, 65535, 300_000, 1 << 20, (1 << 31) - 1]), "initial")
@@ -332,19 +377,29 @@ def test_held_requests_never_overflow_the_runtimes_windows(data):
             conn.from_server(window_update(sid, inc))
         runtime.check(upstream)
         assert not runtime.errors, runtime.errors[:3]
+        return True
+
+    def open_wide() -> None:  # the connection and the streams already opened
+        for sid in [0] + [c[0] for c in calls if not (c[2] and c[2][0][3] == HEADERS)]:
+            inc = (1 << 31) - 1 - (runtime.initial() + runtime.updates.get(sid, 0)) if sid else 64 << 20
+            if inc > 0:
+                runtime.sends_window_update(sid, inc)
+                conn.from_server(window_update(sid, inc))
 
     for _ in range(data.draw(st.integers(5, 60), "steps")):
         step(data.draw(st.sampled_from(["client", "client", "settings", "ack", "window", "window"]), "action"))
+    stuck = 0
     while any(c[2] for c in calls):
-        step("client")
+        if not step("client"):  # the client's window is spent: the runtime gives more
+            stuck += 1
+            assert stuck < 100, "the client never gets its window back"
+            while acks_owed:
+                step("ack")
+            open_wide()
     while acks_owed:
         step("ack")
     # the runtime opens its windows wide: everything held must now arrive
-    for sid in [0] + [c[0] for c in calls]:
-        inc = (1 << 31) - 1 - (runtime.initial() + runtime.updates.get(sid, 0)) if sid else 64 << 20
-        if inc > 0:
-            runtime.sends_window_update(sid, inc)
-            conn.from_server(window_update(sid, inc))
+    open_wide()
     runtime.check(upstream)
     assert not runtime.errors, runtime.errors[:3]
     for sid, message, _ in calls:

@@ -216,6 +216,13 @@ def _octal_mode(v: Any) -> int:
     return mode
 
 
+def _frame_size(v: Any) -> int:
+    n = _positive_int(v)
+    if not 16384 <= n <= 16777215:
+        raise ConfigError(f"an HTTP/2 frame size is 16384..16777215 (RFC 9113 6.5.2), not {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting: the flag --NAME, the YAML key NAME and the Config field NAME_WITH_UNDERSCORES."""
@@ -271,6 +278,27 @@ OPTIONS: tuple[Option, ...] = (
            "SETTINGS_MAX_CONCURRENT_STREAMS)", "N"),
     Option("socket-mode", "int | None", None, _octal_mode,
            "socket mode (octal); default 0600, or 0660 with --socket-group"),
+    Option("h2-max-header-block", "int", 1024 * 1024, _quantity,
+           "relay: largest header block (HEADERS + CONTINUATION) a kubelet connection may send, advertised as "
+           "SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY ENHANCE_YOUR_CALM and the connection is closed", "Q"),
+    Option("h2-max-continuations", "int", 128, _positive_int,
+           "relay: most CONTINUATION frames in one header block; beyond it GOAWAY ENHANCE_YOUR_CALM", "N"),
+    Option("h2-max-frame-size", "int", 16384, _frame_size,
+           "relay: largest frame a client may send, at most what the runtime advertises (SETTINGS_MAX_FRAME_SIZE "
+           "is lowered to it on the way to the client); a larger one is GOAWAY FRAME_SIZE_ERROR", "N"),
+    Option("h2-max-concurrent-streams", "int", 1000, _positive_int,
+           "relay: open streams per connection (advertised as SETTINGS_MAX_CONCURRENT_STREAMS); a stream beyond "
+           "it is refused with RST_STREAM REFUSED_STREAM", "N"),
+    Option("h2-reset-rate", "float", 200.0, _positive_float,
+           "relay: streams a client may reset per second (rapid reset, CVE-2023-44487), over a burst of "
+           "--h2-reset-burst; beyond it GOAWAY ENHANCE_YOUR_CALM", "N"),
+    Option("h2-reset-burst", "int", 400, _positive_int, "relay: resets allowed at once before --h2-reset-rate "
+           "counts", "N"),
+    Option("h2-preface-timeout", "float", 10.0, _positive_float,
+           "relay: seconds a new connection has to send the HTTP/2 preface before it is closed", "S"),
+    Option("h2-idle-timeout", "float", 0.0, _non_negative_float,
+           "relay: close a connection without an open stream or a byte either way for this many seconds "
+           "(GOAWAY first); 0: never (the kubelet keeps one long-lived connection)", "S"),
     Option("meminfo", "str", "/proc/meminfo", str, "where MemTotal is read from"),
     Option("log-level", "str", "info", str, "debug, info, warning or error"),
     Option("record", "str | None", None, _record_path,

@@ -72,6 +72,32 @@ class Config:
     max_concurrent_streams: int = 1000
     #: --socket-mode: socket mode (octal); default 0600, or 0660 with --socket-group
     socket_mode: int | None = None
+    #: --h2-max-header-block: relay: largest header block (HEADERS + CONTINUATION) a kubelet
+    #: connection may send, advertised as SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY
+    #: ENHANCE_YOUR_CALM and the connection is closed
+    h2_max_header_block: int = 1 * 1024 * 1024
+    #: --h2-max-continuations: relay: most CONTINUATION frames in one header block; beyond it GOAWAY
+    #: ENHANCE_YOUR_CALM
+    h2_max_continuations: int = 128
+    #: --h2-max-frame-size: relay: largest frame a client may send, at most what the runtime
+    #: advertises (SETTINGS_MAX_FRAME_SIZE is lowered to it on the way to the client); a larger one
+    #: is GOAWAY FRAME_SIZE_ERROR
+    h2_max_frame_size: int = 16384
+    #: --h2-max-concurrent-streams: relay: open streams per connection (advertised as
+    #: SETTINGS_MAX_CONCURRENT_STREAMS); a stream beyond it is refused with RST_STREAM
+    #: REFUSED_STREAM
+    h2_max_concurrent_streams: int = 1000
+    #: --h2-reset-rate: relay: streams a client may reset per second (rapid reset, CVE-2023-44487),
+    #: over a burst of --h2-reset-burst; beyond it GOAWAY ENHANCE_YOUR_CALM
+    h2_reset_rate: float = 200.0
+    #: --h2-reset-burst: relay: resets allowed at once before --h2-reset-rate counts
+    h2_reset_burst: int = 400
+    #: --h2-preface-timeout: relay: seconds a new connection has to send the HTTP/2 preface before
+    #: it is closed
+    h2_preface_timeout: float = 10.0
+    #: --h2-idle-timeout: relay: close a connection without an open stream or a byte either way for
+    #: this many seconds (GOAWAY first); 0: never (the kubelet keeps one long-lived connection)
+    h2_idle_timeout: float = 0.0
     #: --meminfo: where MemTotal is read from
     meminfo: str = "/proc/meminfo"
     #: --log-level: debug, info, warning or error

@@ -110,6 +110,14 @@ class _LiveCollector:
             yield dropped
         if m.transport is not None:
             yield from self._transport(m.transport)
+        relay = m.relay
+        if relay is not None:
+            hits = CounterMetricFamily("memqos_h2_limit_hits", "times a kubelet connection hit one of the relay's "
+                                       "HTTP/2 limits (GOAWAY and closed, or the stream refused), by limit",
+                                       labels=("limit",))
+            for name, n in list(relay.limit_hits.items()):
+                hits.add_metric([name], float(n))
+            yield hits
         rec = m.reconciler
         if rec is not None:
             resyncs = CounterMetricFamily("memqos_reconciler_resyncs", "completed reconciler resyncs with the runtime")
@@ -307,6 +315,7 @@ class Metrics:
         self.monitor = None
         self.reconciler = None
         self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
+        self.relay = None  # the relay transport: its limit_hits
         r.register(_LiveCollector(self))
         self.observer = CriObserver(self)
         self._server = None
@@ -314,7 +323,7 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     # -- wiring
-    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None) -> "Metrics":
+    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None) -> "Metrics":
         if audit is not None:
             self.audit = audit
             audit.add_listener(self.on_audit)
@@ -335,6 +344,8 @@ class Metrics:
             self.reconciler = reconciler
         if transport is not None:
             self.transport = transport
+        if relay is not None:
+            self.relay = relay
         return self
 
     def timed(self, rewriter) -> TimedRewriter:

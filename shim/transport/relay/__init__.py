@@ -37,11 +37,17 @@ relay does on top of forwarding:
   reconnects at once when a connection closes, so an idle refused one would otherwise still
   refuse its first call long after the runtime is back (grpc-core clients reconnect lazily).
 
+Limits. What a connection may send is bounded (``limits.py``: header block size and
+CONTINUATIONs, frame size, flow-control windows, resets per second, concurrent streams, the
+preface and an opt-in idle timeout); past a limit the client gets GOAWAY with the RFC 9113 error
+code and the connection is closed (a stream over the concurrency limit is refused alone), and
+``RelayProxy.limit_hits`` counts it by limit.
+
 Layout: ``connection.py`` is the relay of one kubelet connection without I/O (bytes in, writes
 to two writers, the owner told what happened), its work split by direction into
 ``client_side.py`` and ``server_side.py``, with ``hold.py`` (held requests rewritten),
 ``windows.py`` (the flow-control windows), ``refuse.py`` (the UNAVAILABLE server side) and
-``calls.py`` (one call's state), ``writes.py`` (what it writes to); ``aio.py`` is the asyncio
+``calls.py`` (one call's state), ``limits.py`` (the HTTP/2 limits), ``writes.py`` (what it writes to); ``aio.py`` is the asyncio
 layer (sockets, ``RelayProxy``), ``listener.py`` its accept loop. A connection is taken only
 with both its descriptors (the kubelet's side and the runtime's socket, made at accept) and
 only below ``max_connections``; otherwise it gets the server preface and GOAWAY
@@ -61,7 +67,9 @@ counts for those stream windows only once the client's ACK of it has gone upstre
 resets a stream whose DATA exceeds the acknowledged window); a lowered one counts at once. Server WINDOW_UPDATEs on the connection are passed
 on only as far as the server's window exceeds what the client may already send plus what is
 queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
-(held, dropped or cancelled bytes), the relay grants it to the client itself. Everything else
+(held, dropped or cancelled bytes), the relay grants it to the client itself. The other
+direction's connection window is only counted (``Windows.to_client``), to refuse a client
+WINDOW_UPDATE that takes it past 2^31-1. Everything else
 is forwarded verbatim: what the relay does not understand, it does not touch.
 """
 from __future__ import annotations
@@ -76,8 +84,9 @@ from shim.transport.relay.aio import (
     trim_heap,
 )
 from shim.transport.relay.connection import Connection
+from shim.transport.relay.limits import LIMIT_NAMES, H2Limits
 from shim.transport.relay.writes import Buffer
 from shim.transport.wire.h2 import PREFACE
 
-__all__ = ["HOLD_MAX_BYTES", "HOLD_TOTAL_BYTES", "PREFACE", "READ_PAUSE_BYTES", "REFUSED_IDLE_CLOSE",
+__all__ = ["HOLD_MAX_BYTES", "HOLD_TOTAL_BYTES", "LIMIT_NAMES", "H2Limits", "PREFACE", "READ_PAUSE_BYTES", "REFUSED_IDLE_CLOSE",
            "UPSTREAM_CONNECT_TIMEOUT", "Buffer", "Connection", "RelayProxy", "trim_heap"]

@@ -32,8 +32,9 @@ from shim.transport.hooks import (
 )
 from shim.transport.relay.calls import request_reader
 from shim.transport.relay.connection import Connection
+from shim.transport.relay.limits import LIMIT_NAMES, H2Limits
 from shim.transport.relay.listener import OUT_OF_DESCRIPTORS, Listener
-from shim.transport.wire.h2 import GOAWAY, SETTINGS, frame
+from shim.transport.wire.h2 import GOAWAY, PREFACE, SETTINGS, frame
 from shim.transport.unixsock import ThrottledLog, bind_private, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger("shim.transport.relay")
@@ -85,6 +86,7 @@ class _ClientSide(asyncio.Protocol):
         self.early_bytes = 0
         self.paused = False
         self.connect_task = None
+        self.active = 0.0  # with an idle timeout: when a byte last came either way (loop time)
 
     def connection_made(self, transport) -> None:
         self.client = transport
@@ -99,8 +101,15 @@ class _ClientSide(asyncio.Protocol):
             transport.close()
             return
         self.connect_task = asyncio.ensure_future(self._connect())
+        loop = asyncio.get_running_loop()
+        loop.call_later(relay.limits.preface_timeout, self._preface_due)
+        if relay.limits.idle_timeout:
+            self.active = loop.time()
+            loop.call_later(relay.limits.idle_timeout, self._idle_due)
 
     def data_received(self, data: bytes) -> None:
+        if self.active:
+            self.active = asyncio.get_running_loop().time()
         if self.early is None:
             self.conn.from_client(data)
             return
@@ -174,6 +183,31 @@ class _ClientSide(asyncio.Protocol):
             self.paused = False
             self.client.resume_reading()
 
+    def _preface_due(self) -> None:
+        """``preface_timeout`` after the accept: a connection without its preface is closed."""
+        conn = self.conn
+        if self.early is not None and self.early_bytes >= len(PREFACE):
+            return  # the upstream is still connecting: the Connection checks the preface when fed
+        if conn.mode != "closed" and conn.preface_left:
+            self.relay.limit_hit("preface_timeout", f"no HTTP/2 preface after {self.relay.limits.preface_timeout:g} s")
+            conn.close("CANCELLED", "memqos-shim: no HTTP/2 preface")
+
+    def _idle_due(self) -> None:
+        """With an idle timeout: a connection without an open stream or a byte for that long is
+        told GOAWAY and closed; else look again when it could be due."""
+        conn = self.conn
+        if conn.mode == "closed":
+            return
+        loop = asyncio.get_running_loop()
+        idle = self.relay.limits.idle_timeout
+        due = self.active + idle
+        if conn.streams or due > loop.time():
+            loop.call_later(max(due - loop.time(), idle / 10), self._idle_due)
+            return
+        self.relay.limit_hit("idle_timeout", f"no stream and no byte for {idle:g} s")
+        conn.goaway()
+        conn.close("CANCELLED", "memqos-shim: idle connection closed")
+
     def _refused_idle(self) -> None:
         if not self.conn.close_refused_idle():
             asyncio.get_running_loop().call_later(REFUSED_IDLE_CLOSE, self._refused_idle)
@@ -211,6 +245,8 @@ class _UpstreamSide(asyncio.Protocol):
         self.side.upstream_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.side.active:
+            self.side.active = asyncio.get_running_loop().time()
         self.conn.from_server(data)
 
     def eof_received(self):
@@ -260,6 +296,7 @@ class RelayProxy:
         hold_max_bytes: int = HOLD_MAX_BYTES,
         hold_total_bytes: int = HOLD_TOTAL_BYTES,
         max_connections: int = MAX_CONNECTIONS,
+        limits: H2Limits | None = None,
     ) -> None:
         self.listen_path, self.upstream_path, self.socket_mode = transport_endpoints(
             listen, upstream, socket_mode, socket_group
@@ -273,6 +310,13 @@ class RelayProxy:
         self.hold_max_bytes = hold_max_bytes
         self.hold_total_bytes = hold_total_bytes
         self.max_connections = max_connections
+        self.limits = limits if limits is not None else H2Limits()
+        # times each HTTP/2 limit was hit (limits.py), by name: read by the shim's metrics
+        self.limit_hits: dict[str, int] = dict.fromkeys(LIMIT_NAMES, 0)
+        self._limit_logs = {name: ThrottledLog(f"HTTP/2 limit {name}", level=logging.WARNING,
+                                               outcome="the connection was closed (after GOAWAY once HTTP/2 had "
+                                               "started) or the stream refused")
+                            for name in LIMIT_NAMES}
         self.hooks = hooks
         self.held_methods = frozenset(hooks.held_methods)
         self.request_info = request_reader(unary_shapes(methods))
@@ -328,6 +372,11 @@ class RelayProxy:
                          f"bytes each, {self.hold_total_bytes} bytes at once)")
         self._skipped(method, reason)
         guarded_not_rewritten(self.hooks, method, f"transport: {reason}", self._finished_failed)
+
+    def limit_hit(self, name: str, detail: str) -> None:
+        """A connection hit the HTTP/2 limit ``name`` (limits.py): counted and logged."""
+        self.limit_hits[name] += 1
+        self._limit_logs[name]("a kubelet connection", detail)
 
     def upstream_down(self, details: str) -> None:
         self._down("a new kubelet connection", details)

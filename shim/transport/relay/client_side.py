@@ -10,46 +10,53 @@ dropped, DATA the windows cannot take yet queued, the rest forwarded in order.
 """
 from __future__ import annotations
 
-from shim.transport.wire.hpack import HpackError
+from shim.transport.wire.hpack import HeaderListTooLarge, HpackError
 from shim.transport.relay.writes import send
 from shim.transport.wire.h2 import (
     ACK,
     DATA,
     END_HEADERS,
     END_STREAM,
+    ERR_ENHANCE_YOUR_CALM,
+    ERR_FLOW_CONTROL,
     HEADERS,
+    MAX_WINDOW,
     PADDED,
     RST_STREAM,
     SETTINGS,
     SETTINGS_HEADER_TABLE_SIZE,
+    SETTINGS_INITIAL_WINDOW_SIZE,
     TRIMMED,
+    WINDOW_UPDATE,
+    H2Error,
     ProtocolError,
     data_payload,
     frames,
     header_block,
-    joined,
     settings_items,
+    u31,
 )
 
 
 class ClientToServer:
     def _relay_client(self, data: bytes) -> None:
         if self.cbuf:
-            data = joined(self.cbuf, data, not self.preface_left)
+            data = self._client_bytes(data)  # limits.py
             if data is None:
                 return
-            self.cbuf = bytearray()
         n = len(data)
         pos = self._preface(data) if self.preface_left else 0
         units, pos, verbatim, need = self._scan_client(data, pos, n)
         if pos < n:
-            self.cbuf = bytearray(memoryview(data)[pos:])
+            self._client_tail(data, pos, n)
         if verbatim and need <= self.windows.s_conn:
             if pos:
                 self.upstream.write(data if pos == n else memoryview(data)[:pos])
             self._observe_client(data, units)
         else:
             self._rebuild_client(data, units, pos)
+        if self.refused_sids:
+            self._refuse_streams()
         self._after()
 
     def _scan_client(self, data: bytes, pos: int, n: int) -> tuple:
@@ -62,6 +69,7 @@ class ClientToServer:
         units = []
         verbatim = not self.windows.queue
         need = 0
+        max_frame = self.max_frame_in
         for unit in frames(data, pos, n):
             ftype, flags, sid, fpos, end = unit
             if ftype == DATA:
@@ -69,21 +77,45 @@ class ClientToServer:
                 if (call is not None and call.hold is not None) or sid in ended or sid in owned:
                     verbatim = False
                 need += end - fpos - 9
+                if end - fpos - 9 > max_frame:
+                    self._check_unit(data, ftype, flags, fpos, end)
             elif ftype == HEADERS:
+                if end - fpos - 9 > max_frame or not flags & END_HEADERS:
+                    self._check_unit(data, ftype, flags, fpos, end)
                 try:
                     info = self.cdec.info(data[fpos + 9:end] if flags & TRIMMED == END_HEADERS
                                           else header_block(data, ftype, flags, fpos, end), self.relay.request_info)
+                except HeaderListTooLarge as e:
+                    raise H2Error(ERR_ENHANCE_YOUR_CALM, "header_block", f"request headers: {e}") from None
                 except HpackError as e:
                     raise ProtocolError(f"request headers: {e}") from None
                 if sid > self.last_client_sid:  # else trailers (gRPC clients send none)
                     self.last_client_sid = sid
-                    call = self._new_call(sid, info)
-                    if flags & END_STREAM and call.hold is not None:
-                        verbatim = False
+                    if len(streams) >= self.limits.max_concurrent_streams:
+                        ended.add(sid)  # refused (_refuse_streams): its DATA is dropped
+                        self.refused_sids.append(sid)
+                    else:
+                        call = self._new_call(sid, info)
+                        if call.hold is not None:
+                            # the relay sends its DATA itself: the runtime's window for it counts
+                            # from now (a WINDOW_UPDATE may come before the message is complete)
+                            self.windows.own_stream(sid)
+                            if flags & END_STREAM:
+                                verbatim = False
                 if sid in qsids:
                     verbatim = False
+            else:
+                if end - fpos - 9 > max_frame:
+                    self._check_unit(data, ftype, flags, fpos, end)
+                if ftype == RST_STREAM:
+                    self._client_reset()
+                elif ftype == WINDOW_UPDATE and end - fpos == 13:
+                    self._client_window_update(sid, u31(data, fpos + 9))
             units.append(unit)
             pos = end
+        if need > self.windows.c_conn:
+            raise H2Error(ERR_FLOW_CONTROL, "flow_control",
+                          f"{need} bytes of DATA beyond the connection window ({self.windows.c_conn})")
         return units, pos, verbatim, need
 
     def _observe_client(self, data: bytes, units: list) -> None:
@@ -119,6 +151,8 @@ class ClientToServer:
             for ident, value in settings_items(data, pos + 9, end):
                 if ident == SETTINGS_HEADER_TABLE_SIZE:
                     self.sdec.max_allowed = max(self.sdec.max_allowed, value)
+                elif ident == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+                    raise H2Error(ERR_FLOW_CONTROL, "window_overflow", f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
 
     def _rebuild_client(self, data: bytes, units: list, done: int) -> None:
         """The chunk needs changes: held, dropped or queued DATA, a held stream's end."""

@@ -36,6 +36,7 @@ from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, Decoder, li
 from shim.transport.relay.calls import Call
 from shim.transport.relay.client_side import ClientToServer
 from shim.transport.relay.hold import Holding
+from shim.transport.relay.limits import Guarded
 from shim.transport.relay.refuse import Refusing
 from shim.transport.relay.server_side import ServerToClient
 from shim.transport.relay.windows import Windows
@@ -47,6 +48,8 @@ from shim.transport.wire.h2 import (
     HEADERS,
     PREFACE,
     SETTINGS,
+    DEFAULT_MAX_FRAME,
+    H2Error,
     ProtocolError,
     frame,
     goaway,
@@ -60,9 +63,10 @@ TRIM_AFTER_BYTES = 4 * 1024 * 1024  # after a call this large, give freed heap m
 ENDED_MAX = 10000  # streams the relay ended itself that it remembers
 
 
-class Connection(ClientToServer, ServerToClient, Holding, Refusing):
+class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
     def __init__(self, owner, client, clock=time.perf_counter, wall=time.time) -> None:
         self.relay = owner
+        self.limits = owner.limits  # H2Limits (limits.py)
         self.client = client  # writers
         self.upstream = None
         self.clock = clock
@@ -73,10 +77,20 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing):
         # the frame is whole, so a large frame arriving in many reads is copied once, not per read
         self.cbuf = bytearray()
         self.sbuf = bytearray()
+        # limits.py: a header block arriving at the start of cbuf (walked so far, its size and
+        # CONTINUATIONs) or None; the largest frame the client may send; streams refused in the
+        # chunk at hand; the rapid-reset allowance; whether the runtime's first SETTINGS went by
+        self.c_block: tuple[int, int, int] | None = None
+        self.s_block: int | None = None  # the same for the runtime's header block in sbuf: walked so far
+        self.max_frame_in = DEFAULT_MAX_FRAME
+        self.refused_sids: list[int] = []
+        self.reset_tokens = float(self.limits.reset_burst)
+        self.reset_at = clock()
+        self.server_settings_seen = False
         self.preface_left = len(PREFACE)
         self.streams: dict[int, Call] = {}
         self.last_client_sid = 0
-        self.cdec = Decoder()
+        self.cdec = Decoder(max_list=self.limits.max_header_block)  # what SETTINGS_MAX_HEADER_LIST_SIZE says
         self.sdec = Decoder()
         self.windows = Windows()
         self.repay_streams: dict[int, int] = {}  # held streams' DATA to give back to the client
@@ -143,6 +157,9 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing):
         return True
 
     def _broken(self, side: str, e: Exception | None) -> None:
+        if isinstance(e, H2Error):
+            self._limit_broken(side, e)
+            return
         if e is None:
             log.exception("relay: cannot follow the %s's HTTP/2 stream; closing the connection", side)
         else:
@@ -206,6 +223,8 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing):
         self.streams.pop(call.sid, None)
         if call.hold is not None:
             self._drop_hold(call)
+        if call.held:
+            self.windows.forget(call.sid)  # its window, counted from its start (client_side.py)
         fc = call.finished(code, details, self.clock())
         if self.deferring:
             self.defer.append(fc)
@@ -214,7 +233,8 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing):
         if call.resp.kept + call.req.kept + len(fc.request) > TRIM_AFTER_BYTES:
             self.relay.trim_soon()
 
-    def _fail_call(self, call: Call, code: str, details: str, to_upstream: list | None) -> None:
+    def _fail_call(self, call: Call, code: str, details: str, to_upstream: list | None,
+                   rst_code: int = ERR_CANCEL) -> None:
         """End a call for both sides from the relay: trailers to the client, RST upstream."""
         block = b""
         if not call.resp_headers:
@@ -222,7 +242,7 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing):
         block += literal(b"grpc-status", str(STATUS_NUMBER[code]).encode())
         block += literal(b"grpc-message", percent_encode(details))
         self._to_client(frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block))
-        rst = rst_stream(call.sid, ERR_CANCEL)
+        rst = rst_stream(call.sid, rst_code)
         if to_upstream is not None:
             to_upstream.append(rst)
         elif self.upstream is not None:

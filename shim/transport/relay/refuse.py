@@ -7,17 +7,19 @@ answered -- so the kubelet's next call opens a new connection and tries the runt
 """
 from __future__ import annotations
 
-from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, HpackError, literal
+from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, HeaderListTooLarge, HpackError, literal
 from shim.transport.wire.grpc import percent_encode
 from shim.transport.wire.h2 import (
     ACK,
     DATA,
     END_HEADERS,
     END_STREAM,
+    ERR_ENHANCE_YOUR_CALM,
     HEADERS,
     PING,
     RST_STREAM,
     SETTINGS,
+    H2Error,
     ProtocolError,
     data_payload,
     frame,
@@ -31,8 +33,9 @@ from shim.transport.wire.h2 import (
 class Refusing:
     def _refuse(self, data: bytes) -> None:
         if self.cbuf:
-            data = bytes(self.cbuf + data)
-            self.cbuf = bytearray()
+            data = self._client_bytes(data)  # limits.py
+            if data is None:
+                return
         n = len(data)
         pos = self._preface(data) if self.preface_left else 0
         out: list[bytes] = []
@@ -44,6 +47,8 @@ class Refusing:
             elif ftype == HEADERS:
                 try:
                     info = self.cdec.info(header_block(data, ftype, flags, fpos, end), self.relay.request_info)
+                except HeaderListTooLarge as e:
+                    raise H2Error(ERR_ENHANCE_YOUR_CALM, "header_block", f"request headers: {e}") from None
                 except HpackError as e:
                     raise ProtocolError(str(e)) from None
                 if sid > self.last_client_sid:
@@ -69,7 +74,7 @@ class Refusing:
                     self._finish(call, call.ended_code(self.clock()), "")
             pos = end
         if pos < n:
-            self.cbuf = bytearray(memoryview(data)[pos:])
+            self._client_tail(data, pos, n)
         if self.answered and not self.streams:
             out.append(goaway(self.last_client_sid))
             self.client.write(b"".join(out))

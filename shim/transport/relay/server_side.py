@@ -25,7 +25,9 @@ from shim.transport.wire.h2 import (
     DATA,
     END_HEADERS,
     END_STREAM,
+    ERR_FLOW_CONTROL,
     GOAWAY,
+    MAX_WINDOW,
     HEADERS,
     PADDED,
     PUSH_PROMISE,
@@ -38,7 +40,6 @@ from shim.transport.wire.h2 import (
     data_payload,
     frames,
     header_block,
-    joined,
     TRIMMED,
     settings_items,
     u31,
@@ -51,10 +52,9 @@ EARLY_WRITE_BYTES = 32 * 1024  # a server chunk this large gets its leading DATA
 class ServerToClient:
     def _relay_server(self, data: bytes) -> None:
         if self.sbuf:
-            data = joined(self.sbuf, data, stream_data=True)
+            data = self._server_bytes(data)  # limits.py
             if data is None:
                 return
-            self.sbuf = bytearray()
         n = len(data)
         self.s_out = pos = 0
         pending = self.s_pending  # empty: every chunk writes what it gathered
@@ -65,8 +65,10 @@ class ServerToClient:
         elif n >= EARLY_WRITE_BYTES:
             self.s_out = pos = self._write_leading_data(data, n)
         streams = self.streams
+        win = self.windows
         for ftype, flags, sid, fpos, end in frames(data, pos, n):
             if ftype == DATA:
+                win.to_client -= end - fpos - 9
                 call = streams.get(sid)
                 if call is not None and not flags & (END_STREAM | PADDED):  # the usual one, inline
                     too_big = call.resp.feed(memoryview(data)[fpos + 9:end])
@@ -86,6 +88,10 @@ class ServerToClient:
             elif ftype == SETTINGS:
                 if not flags & ACK:
                     self._server_settings(data, fpos, end)
+                    out = self._server_settings_frame(data, fpos, end)  # limits.py
+                    if out is not None:
+                        self._cut(data, fpos, end)
+                        self.s_pending.append(out)
             elif ftype == GOAWAY:
                 last = u31(data, fpos + 9)
                 streams = self.streams
@@ -107,7 +113,7 @@ class ServerToClient:
                 pending.append(memoryview(data)[out_start:pos])
             send(self.client, pending)
         if pos < n:
-            self.sbuf = bytearray(memoryview(data)[pos:])
+            self._server_tail(data, pos, n)
         self._after()
 
     def _cut(self, data: bytes, pos: int, end: int) -> None:
@@ -152,7 +158,15 @@ class ServerToClient:
             if room:
                 self.s_pending.append(window_update(0, room))
         elif sid in win.streams:
-            win.streams[sid] += int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
+            w = win.streams[sid] + (int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF)
+            win.streams[sid] = w
+            call = self.streams.get(sid)
+            if w > MAX_WINDOW and call is not None:  # a stream error: that stream reset
+                self._cut(data, pos, end)
+                send(self.client, self.s_pending)
+                self.relay.limit_hit("window_overflow", f"the runtime: stream {sid}'s window past 2^31-1")
+                self._fail_call(call, "INTERNAL", "memqos-shim: the runtime overflowed the stream's flow-control "
+                                "window", self.s_upstream, ERR_FLOW_CONTROL)
 
     def _server_rst(self, data: bytes, sid: int, pos: int, end: int) -> None:
         if sid in self.ended:
@@ -224,7 +238,10 @@ class ServerToClient:
         if pos < EARLY_WRITE_BYTES:
             return 0
         self.client.write(memoryview(data)[:pos])
+        win = self.windows
         for ftype, flags, sid, fpos, end in units:
+            if ftype == DATA:
+                win.to_client -= end - fpos - 9
             if ftype == HEADERS:
                 self._server_headers(sid, header_block(data, ftype, flags, fpos, end), 0)
             else:
@@ -241,6 +258,7 @@ class ServerToClient:
         rest as it comes (``s_data_left``); the relay writes nothing else to the client until the
         frame is complete."""
         length = (data[pos] << 16) | (data[pos + 1] << 8) | data[pos + 2]
+        self.windows.to_client -= length
         sid = u31(data, pos + 5)
         call = self.streams.get(sid)
         drop = sid in self.ended

@@ -23,18 +23,21 @@ from __future__ import annotations
 
 from collections import deque
 
-from shim.transport.wire.h2 import DATA, END_STREAM, HEADERS
+from shim.transport.wire.h2 import DATA, END_STREAM, ERR_FLOW_CONTROL, HEADERS, MAX_WINDOW, H2Error
 
 DEFAULT_WINDOW = 65535
 
 
 class Windows:
-    __slots__ = ("s_conn", "c_conn", "initial", "initial_acked", "settings_unacked", "max_frame", "streams",
+    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "max_frame", "streams",
                  "queue", "queued", "qsids")
 
     def __init__(self) -> None:
         self.s_conn = DEFAULT_WINDOW
         self.c_conn = DEFAULT_WINDOW
+        # the other direction: what the server may still send the client on the connection (the
+        # client's WINDOW_UPDATEs less the server's DATA), kept only to refuse a window past 2^31-1
+        self.to_client = DEFAULT_WINDOW
         self.initial = DEFAULT_WINDOW  # what counts for the relay's own DATA
         self.initial_acked = DEFAULT_WINDOW
         self.settings_unacked: deque = deque()  # per server SETTINGS frame not yet acked: its value or None
@@ -75,7 +78,8 @@ class Windows:
             self.initial = value
             streams = self.streams
             for k in streams:
-                streams[k] += delta
+                # past 2^31-1 only if the runtime broke RFC 9113 6.9.2: sending less is safe
+                streams[k] = min(streams[k] + delta, MAX_WINDOW)
 
     # ---------------------------------------------------------------- windows
 
@@ -88,6 +92,8 @@ class Windows:
         """The server's connection WINDOW_UPDATE: True when the client may have all of it
         (forward the frame unchanged), False when it must be cut to ``grant()``."""
         self.s_conn += inc
+        if self.s_conn > MAX_WINDOW:
+            raise H2Error(ERR_FLOW_CONTROL, "window_overflow", "a connection WINDOW_UPDATE past 2^31-1 from the runtime")
         if self.s_conn - self.queued - self.c_conn >= inc:
             self.c_conn += inc
             return True

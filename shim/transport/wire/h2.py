@@ -18,10 +18,19 @@ PADDED = 0x8
 PRIORITY_FLAG = 0x20
 SETTINGS_HEADER_TABLE_SIZE = 0x1
 SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 SETTINGS_MAX_FRAME_SIZE = 0x5
+SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
+# error codes (RFC 9113 section 7)
+ERR_PROTOCOL = 0x1
+ERR_FLOW_CONTROL = 0x3
+ERR_FRAME_SIZE = 0x6
+ERR_REFUSED_STREAM = 0x7
 ERR_CANCEL = 0x8
+ERR_ENHANCE_YOUR_CALM = 0xB
 MAX_WINDOW = (1 << 31) - 1
+DEFAULT_MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE until a peer says otherwise
 
 def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     n = len(payload)
@@ -41,6 +50,53 @@ def setting(ident: int, value: int) -> bytes:
 class ProtocolError(Exception):
     """A peer sent something that cannot be followed (a broken header block, a stray
     CONTINUATION, an undecodable HPACK block, a wrong preface): the connection is lost."""
+
+
+class H2Error(ProtocolError):
+    """A connection error the relay answers with GOAWAY ``code`` before closing: a limit the
+    peer went past (``limit`` names it, for the metric and the log) or a flow-control breach."""
+
+    def __init__(self, code: int, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.limit = limit
+
+
+def frame_length(data, pos: int) -> int:
+    """The payload length in the frame header at ``pos``."""
+    return (data[pos] << 16) | (data[pos + 1] << 8) | data[pos + 2]
+
+
+def continuations(data, p: int, n: int, size: int, count: int, max_frame: int, max_block: int,
+                  max_count: int) -> tuple[int, int, int, bool]:
+    """Walk the CONTINUATION frames of a header block from ``p`` on (``data[:n]`` arrived so far,
+    ``size`` block bytes and ``count`` CONTINUATIONs before ``p``): returns (where the walk
+    stopped, size, count, END_HEADERS seen). Each frame is looked at once, as soon as its
+    header is there, so a block assembled over many reads costs time linear in its size; a
+    frame above ``max_frame``, a block above ``max_block`` bytes or ``max_count``
+    CONTINUATIONs raise H2Error before their bytes are kept."""
+    while n - p >= 9:
+        length = frame_length(data, p)
+        if data[p + 3] != CONTINUATION:
+            raise ProtocolError("header block interrupted by another frame")
+        if length > max_frame:
+            raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte CONTINUATION frame (max {max_frame})")
+        size += length
+        count += 1
+        if size > max_block:
+            raise H2Error(ERR_ENHANCE_YOUR_CALM, "header_block",
+                          f"a header block of more than {max_block} bytes")
+        if count > max_count:
+            raise H2Error(ERR_ENHANCE_YOUR_CALM, "continuations",
+                          f"a header block in more than {max_count} CONTINUATION frames")
+        if p + 9 + length > n:
+            # counted now, its payload still to come: resume at the frame (counted again then)
+            return p, size - length, count - 1, False
+        ended = data[p + 4] & END_HEADERS
+        p += 9 + length
+        if ended:
+            return p, size, count, True
+    return p, size, count, False
 
 
 def joined(buf: bytearray, data: bytes, check: bool = True, stream_data: bool = False) -> bytes | None:
@@ -153,9 +209,9 @@ def u31(data, pos: int) -> int:
     return int.from_bytes(data[pos:pos + 4], "big") & 0x7FFFFFFF
 
 
-def goaway(last_sid: int) -> bytes:
-    """GOAWAY NO_ERROR with the last stream id the sender processes."""
-    return frame(GOAWAY, 0, 0, last_sid.to_bytes(4, "big") + bytes(4))
+def goaway(last_sid: int, code: int = 0) -> bytes:
+    """GOAWAY (NO_ERROR unless ``code``) with the last stream id the sender processes."""
+    return frame(GOAWAY, 0, 0, last_sid.to_bytes(4, "big") + code.to_bytes(4, "big"))
 
 
 def rst_stream(sid: int, code: int) -> bytes:

@@ -56,18 +56,25 @@ def _integer(data: bytes, i: int, value: int) -> tuple[int, int]:
             raise HpackError("HPACK integer too large")
 
 
+class HeaderListTooLarge(HpackError):
+    """A block that decodes to more than the decoder's ``max_list`` (SETTINGS_MAX_HEADER_LIST_SIZE:
+    names and values plus 32 bytes per field), e.g. a few bytes referencing a large table entry
+    many times."""
+
+
 class Decoder:
     """One direction of one connection. ``max_allowed`` is the largest SETTINGS_HEADER_TABLE_SIZE
     the decoding peer advertised: a size update above it is an error (the relay follows the
     encoder; the peers check the rest)."""
 
-    __slots__ = ("dynamic", "size", "max_size", "max_allowed", "_huffman", "_generation", "_blocks")
+    __slots__ = ("dynamic", "size", "max_size", "max_allowed", "max_list", "_huffman", "_generation", "_blocks")
 
-    def __init__(self, max_allowed: int = 4096) -> None:
+    def __init__(self, max_allowed: int = 4096, max_list: int = 0) -> None:
         self.dynamic: list[tuple[bytes, bytes]] = []  # newest first
         self.size = 0
         self.max_size = 4096
         self.max_allowed = max_allowed
+        self.max_list = max_list  # the decoded header list's size at most (0: no limit)
         self._huffman: dict[bytes, bytes] = {}
         # Blocks that did not change the table, by their bytes, with the table generation they
         # were decoded at: a steady-state gRPC peer sends the same few fully indexed blocks.
@@ -160,8 +167,13 @@ class Decoder:
     def _decode(self, data: bytes, out: list) -> None:
         i = 0
         n = len(data)
+        limit = self.max_list
+        counted = total = 0
         try:
             while i < n:
+                if limit and len(out) > counted:
+                    total = self._list_size(out, counted, total)
+                    counted = len(out)
                 b = data[i]
                 if b & 0x80:  # indexed field
                     index = b & 0x7F
@@ -202,6 +214,17 @@ class Decoder:
                     out.append((name, value))
         except IndexError:
             raise HpackError("truncated HPACK block") from None
+        if limit and len(out) > counted:
+            self._list_size(out, counted, total)
+
+    def _list_size(self, out: list, counted: int, total: int) -> int:
+        """``total`` plus the size of the fields from ``counted`` on; HeaderListTooLarge past
+        ``max_list``."""
+        for name, value in out[counted:]:
+            total += len(name) + len(value) + 32
+        if total > self.max_list:
+            raise HeaderListTooLarge(f"a header list above {self.max_list} bytes")
+        return total
 
 
 # ------------------------------------------------------------------------------------- encoding

@@ -1,0 +1,247 @@
+"""The relay's HTTP/2 limits: what a kubelet connection may send before the relay closes it.
+
+The relay forwards a peer's frames rather than terminating HTTP/2, but whatever it has to
+keep in memory or work through on the way is bounded here (``H2Limits``, one per
+``RelayProxy``, from the shim's settings):
+
+* a header block (HEADERS + CONTINUATION) above ``max_header_block`` bytes or in more than
+  ``max_continuations`` CONTINUATION frames: GOAWAY ENHANCE_YOUR_CALM, closed (the block is
+  walked frame by frame as it arrives, ``wire.h2.continuations``: linear in its size, and
+  never kept beyond the limit); a block that decodes to a header list above the same size
+  (``hpack.Decoder.max_list``) is refused the same way, the size being advertised to the client
+  as SETTINGS_MAX_HEADER_LIST_SIZE. The
+  runtime's header blocks are walked the same way (linear), not limited;
+* a frame above the SETTINGS_MAX_FRAME_SIZE the client was given (16384 until the runtime
+  advertises more, at most ``max_frame_size``): GOAWAY FRAME_SIZE_ERROR, judged from the
+  9-byte frame header before its payload is kept;
+* client DATA beyond the connection window the client was given, a WINDOW_UPDATE or
+  SETTINGS_INITIAL_WINDOW_SIZE that takes a window past 2^31-1 (RFC 9113 6.9.1, 6.9.2):
+  FLOW_CONTROL_ERROR (GOAWAY to the peer that broke it; a held stream's window from the
+  runtime: that stream reset);
+* more RST_STREAM from the client than ``reset_rate`` per second over a burst of
+  ``reset_burst`` (rapid reset): GOAWAY ENHANCE_YOUR_CALM;
+* more than ``max_concurrent_streams`` open streams: the new one is refused (RST_STREAM
+  REFUSED_STREAM to the client, which retries; its HEADERS still reach the runtime, followed by
+  RST_STREAM CANCEL, since the HPACK state is the two peers'); the value is advertised;
+* a connection that has not sent the HTTP/2 preface after ``preface_timeout`` seconds, and
+  (only when set) one without an open stream or a byte either way for ``idle_timeout``
+  seconds: closed (``aio.py``).
+
+Each time a limit is hit the owner's ``limit_hit(name, detail)`` is called (``RelayProxy``
+counts it in ``limit_hits`` and logs it, throttled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shim.transport.wire.h2 import (
+    DEFAULT_MAX_FRAME,
+    END_HEADERS,
+    ERR_ENHANCE_YOUR_CALM,
+    ERR_FLOW_CONTROL,
+    ERR_FRAME_SIZE,
+    ERR_REFUSED_STREAM,
+    HEADERS,
+    MAX_WINDOW,
+    PUSH_PROMISE,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    H2Error,
+    continuations,
+    frame,
+    frame_length,
+    goaway,
+    joined,
+    rst_stream,
+    setting,
+    settings_items,
+    ERR_CANCEL,
+)
+
+# the limits by the name their metric label and log line use
+LIMIT_NAMES = ("header_block", "continuations", "frame_size", "flow_control", "window_overflow", "rapid_reset",
+               "concurrent_streams", "preface_timeout", "idle_timeout")
+
+
+@dataclass(frozen=True)
+class H2Limits:
+    max_header_block: int = 1024 * 1024
+    max_continuations: int = 128
+    max_frame_size: int = DEFAULT_MAX_FRAME
+    max_concurrent_streams: int = 1000
+    reset_rate: float = 200.0
+    reset_burst: int = 400
+    preface_timeout: float = 10.0
+    idle_timeout: float = 0.0  # 0: off
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_block", "max_continuations", "max_concurrent_streams", "reset_burst"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, not {v!r}")
+        if not DEFAULT_MAX_FRAME <= self.max_frame_size <= (1 << 24) - 1:
+            raise ValueError(f"max_frame_size must be in 16384..16777215, not {self.max_frame_size!r}")
+        if not self.reset_rate > 0 or not self.preface_timeout > 0 or self.idle_timeout < 0:
+            raise ValueError("reset_rate and preface_timeout must be positive, idle_timeout not negative")
+
+
+def _walk(data, p: int, n: int | None = None) -> tuple[int, bool]:
+    """The runtime's CONTINUATIONs from ``p``: where the walk stopped, END_HEADERS seen."""
+    p, _, _, done = continuations(data, p, len(data) if n is None else n, 0, 0, 1 << 24, 1 << 62, 1 << 62)
+    return p, done
+
+
+class Guarded:
+    """The part of ``Connection`` that applies ``H2Limits`` (``self.limits``) to the client's
+    bytes, and to the SETTINGS the runtime sends the client."""
+
+    def _client_bytes(self, data: bytes) -> bytes | None:
+        """``data`` after the kept tail of earlier reads, or None while the tail's frame (or
+        header block) is not complete: a header block is walked as it arrives, not rescanned."""
+        if self.c_block is not None:
+            buf = self.cbuf
+            buf += data
+            lim = self.limits
+            scan, size, count = self.c_block
+            scan, size, count, done = continuations(buf, scan, len(buf), size, count, self.max_frame_in,
+                                                    lim.max_header_block, lim.max_continuations)
+            if not done:
+                self.c_block = (scan, size, count)
+                return None
+            self.c_block = None
+            self.cbuf = bytearray()
+            return bytes(buf)
+        data = joined(self.cbuf, data, not self.preface_left)
+        if data is not None:
+            self.cbuf = bytearray()
+        return data
+
+    def _client_tail(self, data: bytes, pos: int, n: int) -> None:
+        """Keep ``data[pos:n]``, the start of a unit not complete yet, once its frame header
+        passes the limits (frame size; a header block's CONTINUATIONs so far)."""
+        if n - pos >= 9 and not self.preface_left:
+            length = frame_length(data, pos)
+            if length > self.max_frame_in:
+                raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame (max {self.max_frame_in})")
+            ftype = data[pos + 3]
+            if (ftype == HEADERS or ftype == PUSH_PROMISE) and not data[pos + 4] & END_HEADERS \
+                    and pos + 9 + length <= n:
+                lim = self.limits
+                scan, size, count, _ = continuations(data, pos + 9 + length, n, length, 0, self.max_frame_in,
+                                                     lim.max_header_block, lim.max_continuations)
+                self.c_block = (scan - pos, size, count)
+        self.cbuf = bytearray(memoryview(data)[pos:n])
+
+    def _server_bytes(self, data: bytes) -> bytes | None:
+        """The runtime's side of ``_client_bytes``: a header block it sends in many reads is
+        walked as it arrives too (linear), though not limited (the runtime is not policed)."""
+        if self.s_block is not None:
+            buf = self.sbuf
+            buf += data
+            scan, done = _walk(buf, self.s_block)
+            if not done:
+                self.s_block = scan
+                return None
+            self.s_block = None
+            self.sbuf = bytearray()
+            return bytes(buf)
+        data = joined(self.sbuf, data, stream_data=True)
+        if data is not None:
+            self.sbuf = bytearray()
+        return data
+
+    def _server_tail(self, data: bytes, pos: int, n: int) -> None:
+        """Keep ``data[pos:n]``; a header block whose first frame is there is walked from now on."""
+        if n - pos >= 9 and data[pos + 3] in (HEADERS, PUSH_PROMISE) and not data[pos + 4] & END_HEADERS:
+            first_end = pos + 9 + frame_length(data, pos)
+            if first_end <= n:
+                self.s_block = _walk(data, first_end, n)[0] - pos
+        self.sbuf = bytearray(memoryview(data)[pos:n])
+
+    def _check_unit(self, data: bytes, ftype: int, flags: int, pos: int, end: int) -> None:
+        """A complete unit from the client that is larger than a frame may be, or a header block
+        in several frames: the frame size, the block's size and CONTINUATIONs."""
+        length = frame_length(data, pos)
+        if length > self.max_frame_in:
+            raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame (max {self.max_frame_in})")
+        if (ftype == HEADERS or ftype == PUSH_PROMISE) and not flags & END_HEADERS:
+            lim = self.limits
+            continuations(data, pos + 9 + length, end, length, 0, self.max_frame_in, lim.max_header_block,
+                          lim.max_continuations)
+
+    def _client_reset(self) -> None:
+        """A RST_STREAM from the client: within ``reset_rate`` per second over ``reset_burst``."""
+        lim = self.limits
+        now = self.clock()
+        tokens = min(lim.reset_burst, self.reset_tokens + (now - self.reset_at) * lim.reset_rate) - 1
+        self.reset_at = now
+        if tokens < 0:
+            raise H2Error(ERR_ENHANCE_YOUR_CALM, "rapid_reset",
+                          f"more than {lim.reset_rate:g} streams reset per second (burst {lim.reset_burst})")
+        self.reset_tokens = tokens
+
+    def _client_window_update(self, sid: int, inc: int) -> None:
+        """A connection WINDOW_UPDATE from the client: what the runtime may send it stays <= 2^31-1."""
+        if not sid:
+            win = self.windows
+            win.to_client += inc
+            if win.to_client > MAX_WINDOW:
+                raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
+                              "a connection WINDOW_UPDATE past 2^31-1 from the client")
+
+    def _refuse_streams(self) -> None:
+        """Streams opened beyond ``max_concurrent_streams`` in the last chunk: their HEADERS went
+        upstream (the HPACK state), now RST_STREAM CANCEL upstream, REFUSED_STREAM to the client."""
+        sids, self.refused_sids = self.refused_sids, []
+        self.upstream.write(b"".join(rst_stream(sid, ERR_CANCEL) for sid in sids))
+        self._to_client(b"".join(rst_stream(sid, ERR_REFUSED_STREAM) for sid in sids))
+        self.relay.limit_hit("concurrent_streams",
+                             f"{len(sids)} stream(s) refused beyond {self.limits.max_concurrent_streams} open")
+
+    def _limit_broken(self, side: str, e: H2Error) -> None:
+        """``side`` went past a limit: GOAWAY with the error code to it, the connection closed."""
+        self.relay.limit_hit(e.limit, f"the {side}: {e}")
+        if side == "client":
+            if not self.s_data_left:  # never inside a DATA frame partly forwarded
+                self.client.write(goaway(self.last_client_sid, e.code))
+        elif self.upstream is not None:
+            self.upstream.write(goaway(0, e.code))
+        self.close("CANCELLED" if side == "client" else "UNAVAILABLE",
+                   f"memqos-shim: HTTP/2 limit on the {side} side: {e}")
+
+    def _server_settings_frame(self, data: bytes, pos: int, end: int) -> bytes | None:
+        """The runtime's SETTINGS as the client gets it: SETTINGS_MAX_FRAME_SIZE,
+        SETTINGS_MAX_HEADER_LIST_SIZE and SETTINGS_MAX_CONCURRENT_STREAMS at most the relay's
+        limits (the last two added to the first SETTINGS when absent); None when unchanged."""
+        lim = self.limits
+        caps = {SETTINGS_MAX_FRAME_SIZE: lim.max_frame_size, SETTINGS_MAX_HEADER_LIST_SIZE: lim.max_header_block,
+                SETTINGS_MAX_CONCURRENT_STREAMS: lim.max_concurrent_streams}
+        out = []
+        seen = set()
+        changed = False
+        for ident, value in settings_items(data, pos + 9, end):
+            cap = caps.get(ident)
+            if cap is not None:
+                seen.add(ident)
+                if value > cap:
+                    value = cap
+                    changed = True
+                if ident == SETTINGS_MAX_FRAME_SIZE and value > self.max_frame_in:
+                    self.max_frame_in = value
+            elif ident == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+                raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
+                              f"SETTINGS_INITIAL_WINDOW_SIZE {value} from the runtime")
+            out.append(setting(ident, value))
+        if not self.server_settings_seen:
+            self.server_settings_seen = True
+            for ident in (SETTINGS_MAX_HEADER_LIST_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS):
+                if ident not in seen:
+                    out.append(setting(ident, caps[ident]))
+                    changed = True
+        if not changed:
+            return None
+        return frame(SETTINGS, 0, 0, b"".join(out))
+
