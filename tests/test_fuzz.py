@@ -321,9 +321,9 @@ def test_unary_client_gives_a_status_whatever_the_runtime_sends(hostile_runtime,
         client.close()
 
 
-# The bounds issue 19 item 3 gives the relay (another change): a header block is at most 1 MiB
-# (HEADERS + CONTINUATION), a frame at most the advertised SETTINGS_MAX_FRAME_SIZE (16 KiB by
-# default); past either the connection is closed. Until then the relay buffers both without limit.
+# The relay's default bounds (shim/transport/relay/limits.py): a header block is at most 1 MiB
+# (HEADERS + CONTINUATION), a frame at most the advertised SETTINGS_MAX_FRAME_SIZE (16 KiB);
+# past either the connection is closed.
 HEADER_BLOCK_BOUND = 1 << 20
 MAX_FRAME = 16384
 
@@ -346,7 +346,6 @@ def flood(draw) -> tuple[bytes, bool]:
         return head + tail, True
 
 
-@pytest.mark.xfail(strict=False, reason="header block and frame size bounds: issue 19 item 3, in another change")
 @settings(FUZZ, max_examples=20, phases=[Phase.explicit, Phase.generate])
 @given(flood())
 def test_a_client_cannot_make_the_relay_buffer_past_the_bounds(case):
