@@ -153,3 +153,23 @@ def test_container_note_is_the_json_of_its_fields(parent, request_bytes):
     note = container_note(request_bytes, "pod-annotation", "Burstable", parent)
     assert note == json.dumps(fields, separators=(",", ":"))
     assert json.loads(note) == fields
+
+
+def test_policy_errors_do_not_flood_the_log(caplog):
+    """Hostile requests each get a fail-open record, but the log says so at most once per
+    interval (with a count of the lines it left out)."""
+    records = []
+    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    garbage = b"\xff\xff\xff\xff not protobuf"
+    with caplog.at_level("ERROR", logger="shim.container.rewriter"):
+        for _ in range(500):
+            assert run(hooks, CREATE_CONTAINER, garbage) is garbage
+    assert len(records) == 500 and all(r["event"] == "fail-open" for r in records)
+    said = [r for r in caplog.records if "policy error" in r.getMessage()]
+    assert len(said) == 1
+    assert hooks.errors_not_logged == 499
+    hooks._error_logged_at -= 3600  # the interval has passed: the next error is logged with the count
+    with caplog.at_level("ERROR", logger="shim.container.rewriter"):
+        run(hooks, CREATE_CONTAINER, garbage)
+    said = [r for r in caplog.records if "policy error" in r.getMessage()]
+    assert len(said) == 2 and "499 more not logged" in said[-1].getMessage()

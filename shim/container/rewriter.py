@@ -7,6 +7,7 @@ forwards the kubelet's original bytes and leaves a fail-open audit record.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from functools import partial
 from json.encoder import encode_basestring_ascii as _json_string
@@ -23,6 +24,7 @@ from shim.decision.request import resolve_request  # noqa: F401  (re-exported fo
 from shim.transport.hooks import RpcCall
 
 log = logging.getLogger(__name__)
+ERROR_LOG_INTERVAL = 10.0  # seconds between two logged policy errors (each is audited)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,10 @@ class ContainerMemoryQoS:
         self.disabled_reason = disabled_reason
         self._warned = False
         self.containers: dict[str, KnownContainer] = {}
+        # a policy error is logged (with its traceback) at most once per ERROR_LOG_INTERVAL: hostile
+        # requests must not flood the log; each one still gets its fail-open audit record
+        self._error_logged_at = -ERROR_LOG_INTERVAL
+        self.errors_not_logged = 0
 
     def set_ownership(self, ownership) -> None:
         """Use a new Ownership from the next call on (any thread: the CRI path reads
@@ -118,7 +124,14 @@ class ContainerMemoryQoS:
                 return self._update(call)
             return request
         except Exception as e:  # fail open: the kubelet's bytes go upstream unchanged
-            log.exception("policy error on %s; forwarding the request unchanged", method)
+            now = time.monotonic()
+            if now - self._error_logged_at >= ERROR_LOG_INTERVAL:
+                self._error_logged_at = now
+                unsaid, self.errors_not_logged = self.errors_not_logged, 0
+                log.exception("policy error on %s; forwarding the request unchanged%s", method,
+                              f" ({unsaid} more not logged since the last such line)" if unsaid else "")
+            else:
+                self.errors_not_logged += 1
             call.audit = {
                 "event": "fail-open",
                 "method": method.rsplit("/", 1)[-1],
