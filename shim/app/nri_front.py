@@ -56,6 +56,8 @@ class NriService(Service):
     ``container_qos`` is the NRI handler (it has the rewriter's ``ownership`` and
     ``containers``), so the kubelet-version and metrics wiring of ``Service`` apply as they are."""
 
+    heartbeat_interval = 5.0  # seconds between heartbeats (health-file)
+
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, handler: NriMemoryQoS, reconciler=None,
                  monitor=None, metrics=None, *, version_pending: bool = False):
         from shim.nri.plugin import NriPlugin
@@ -124,7 +126,7 @@ class NriService(Service):
         if self.cfg.health_file:
             from shim.evidence.health import Heartbeat
 
-            self.heartbeat = Heartbeat(self.cfg.health_file)
+            self.heartbeat = Heartbeat(self.cfg.health_file, self.heartbeat_interval)
             self.heartbeat.beat(CONNECTING)
             self._beating = asyncio.ensure_future(self.heartbeat.run(self.state))
         if self.reconciler is not None:
