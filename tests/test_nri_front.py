@@ -161,6 +161,48 @@ def test_an_update_gets_what_proxy_mode_forwards_for_the_same_container():
     assert update.linux.resources.unified["memory.high"] != NEUTRAL["memory.high"]
 
 
+SLICE_UID = UB.replace("-", "_")
+
+
+@pytest.mark.parametrize("pod_parent, pod_path, container_path, parent, qos", [
+    (f"/kubepods/burstable/pod{UB}", "", "", f"/kubepods/burstable/pod{UB}", "Burstable"),
+    # no cgroup_parent: the container's cgroups path (systemd driver: "<pod slice>:<prefix>:<id>")
+    ("", "", f"kubepods-besteffort-pod{SLICE_UID}.slice:cri-containerd:c1",
+     f"kubepods-besteffort-pod{SLICE_UID}.slice", "BestEffort"),
+    ("", "", f"/kubepods/pod{UB}/c1", f"/kubepods/pod{UB}", "Guaranteed"),
+    # ... or the sandbox's own
+    ("", f"/kubepods/burstable/pod{UB}/sb1", "", f"/kubepods/burstable/pod{UB}", "Burstable"),
+])
+def test_the_qos_class_comes_from_the_cgroup_parent_or_a_cgroups_path(pod_parent, pod_path, container_path, parent,
+                                                                      qos):
+    from shim.nri import facts
+
+    pod = pb.PodSandbox(id="sb1", uid=UB, linux=pb.LinuxPodSandbox(cgroup_parent=pod_parent, cgroups_path=pod_path))
+    c = pb.Container(id="c1", name="app")
+    c.linux.cgroups_path = container_path
+    c.linux.oom_score_adj.value = -997 if qos == "BestEffort" else 1000  # says otherwise: the parent wins
+    assert facts.pod_facts(pod, c).cgroup_parent == parent
+    records = []
+    NriMemoryQoS(NODE, Policy.HARD, records.append).create_container(pod, c)
+    assert (records[-1]["qos"], records[-1]["qos_source"]) == (qos, "cgroup-parent")
+
+
+def test_nri_facts_are_the_proxy_facts_of_the_same_container():
+    from shim.cri.facts import container_facts, pod_facts
+    from shim.nri import facts
+
+    annotations = {"memqos.io/requests": REQ}
+    sb = sandbox_config("p", UB, "burstable", annotations=annotations)
+    req = create_container("sb-" + UB, sb, "app", "burstable", request=256 * MI, limit=1024 * MI,
+                           unified={"memory.min": "1"})
+    pod = nri_pod("p", UB, "burstable", annotations)
+    c = nri_container("c1", pod, "app", "burstable", request=256 * MI, limit=1024 * MI, unified={"memory.min": "1"})
+    assert facts.pod_facts(pod, c) == pod_facts(req.sandbox_config)
+    assert facts.container_facts(c) == container_facts("app", req.config.linux.resources)
+    pod.linux.pod_overhead.memory.limit.value = 64 * MI
+    assert facts.pod_overhead(pod) == 64 * MI
+
+
 # -- sessions against the fake runtime -------------------------------------------------------------
 
 def nri_args(tmp: Path, tree: FakeCgroupTree, nri_sock: str, *, audit: Path, extra: tuple = ()) -> list[str]:
@@ -217,7 +259,7 @@ def test_synchronize_rebuilds_the_node_state_restores_values_and_lowers_nothing(
     g = nri_pod("g", UG, "guaranteed")
     b = nri_pod("b", UB, "burstable", {"memqos.io/requests": REQ})
     e = nri_pod("e", UE, "besteffort")
-    ours = json.dumps({"bytes": 512 * MI, "source": "guaranteed-limit", "qos": "guaranteed",
+    ours = json.dumps({"bytes": 512 * MI, "source": "guaranteed-limit", "qos": "Guaranteed",
                        "cgroup_parent": g.linux.cgroup_parent})
     containers = [
         # created through us before a restart: our annotation, values in place; no update
@@ -246,6 +288,10 @@ def test_synchronize_rebuilds_the_node_state_restores_values_and_lowers_nothing(
                 upd = dict(reply.update[0].linux.resources.unified)
                 assert upd["memory.min"] == str(256 * MI) and upd["memory.high"] != "max"
                 assert reply.update[0].ignore_failure
+                # what our annotation says is remembered for resizes, as at creation
+                known = service.handler.containers["cg"]
+                assert (known.request.bytes, known.request.source.value, known.qos.value) == \
+                    (512 * MI, "guaranteed-limit", "Guaranteed")
                 st.settle(service)
                 assert tree.get(tree.pod("guaranteed", UG)) == 600 * MI  # not lowered
                 assert tree.get(tree.pod("burstable", UB)) == 256 * MI

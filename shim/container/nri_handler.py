@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shim.container.rewriter import ContainerMemoryQoS, KnownContainer, container_note
 from shim.decision import OWNED_KEYS, Decision, NodeFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.decision.memory import NEUTRAL
-from shim.decision.pod import CONTAINER_ANNOTATION
+from shim.decision.pod import CONTAINER_ANNOTATION, parse_annotation
 from shim.nri import api_pb2 as pb
 from shim.nri import facts as nf
 from shim.nri.handler import DEFAULT_EVENTS, Handler, unified_adjustment, unified_update
@@ -188,7 +188,9 @@ class NriMemoryQoS(Handler):
             if pod is None:
                 continue
             unified, annotations = c.linux.resources.unified, c.annotations
-            if CONTAINER_ANNOTATION not in annotations and c.state != pb.CONTAINER_STOPPED:
+            if CONTAINER_ANNOTATION in annotations:
+                self._safe(lambda: self._remember(pod, c))
+            elif c.state != pb.CONTAINER_STOPPED:
                 made = self._safe(lambda: self._create(pod, c, "Synchronize"), "Synchronize", pod, c)
                 if made is not None:
                     adjust, unified, annotations = made
@@ -203,6 +205,19 @@ class NriMemoryQoS(Handler):
         self._emit({"event": "nri-synchronize", "mode": "nri", "pods": len(pods), "containers": len(containers),
                     "updates": len(updates)})
         return updates
+
+    def _remember(self, pod: pb.PodSandbox, c: pb.Container) -> None:
+        """A container we created before (our annotation says what was decided): remembered for
+        its resizes, as at its creation."""
+        note = parse_annotation(c.annotations)
+        if note is None or c.id in self.containers:
+            return
+        try:
+            source, qos = RequestSource(note.get("source", "")), QoSClass(note.get("qos", ""))
+        except ValueError:
+            return
+        self.containers[c.id] = KnownContainer(c.pod_sandbox_id or pod.id, c.name, nf.pod_facts(pod, c), qos,
+                                               Request(int(note["bytes"]), source))
 
     def disconnected(self, reason: str) -> None:
         self._emit({"event": "nri-disconnected", "mode": "nri", "reason": reason[:500]})
