@@ -201,6 +201,8 @@ def test_nri_facts_are_the_proxy_facts_of_the_same_container():
     assert facts.container_facts(c) == container_facts("app", req.config.linux.resources)
     pod.linux.pod_overhead.memory.limit.value = 64 * MI
     assert facts.pod_overhead(pod) == 64 * MI
+    c.annotations["io.kubernetes.container.restartCount"] = "3"
+    assert facts.container_created(pod, c, {}, {}, 1, 2).attempt == 3
 
 
 # -- sessions against the fake runtime -------------------------------------------------------------
@@ -275,6 +277,7 @@ def test_synchronize_rebuilds_the_node_state_restores_values_and_lowers_nothing(
 
     async def main():
         service = st.service()
+        service.handler.containers["gone"] = "a container the runtime no longer lists"
         await service.start()
         try:
             await asyncio.sleep(0.3)
@@ -288,6 +291,7 @@ def test_synchronize_rebuilds_the_node_state_restores_values_and_lowers_nothing(
                 upd = dict(reply.update[0].linux.resources.unified)
                 assert upd["memory.min"] == str(256 * MI) and upd["memory.high"] != "max"
                 assert reply.update[0].ignore_failure
+                assert "gone" not in service.handler.containers  # removed while the plugin was away
                 # what our annotation says is remembered for resizes, as at creation
                 known = service.handler.containers["cg"]
                 assert (known.request.bytes, known.request.source.value, known.qos.value) == \
@@ -497,4 +501,46 @@ def test_memqos_shim_nri_as_a_process_registers_and_adjusts(tmp_path):
         assert not health.exists()
         [start] = records(audit, "start")
         assert (start["mode"], start["nri_index"]) == ("nri", "50")
+    run(main())
+
+
+def test_init_containers_count_by_max_and_containers_running_side_by_side_by_sum(tmp_path):
+    """The pod-request rule needs to know which containers had finished when the next was
+    created: in NRI mode StopContainer says it (proxy mode asks ContainerStatus)."""
+    st = Stack(tmp_path)
+    tree = st.tree
+    uid_init, uid_two = UB, UE.replace("0003", "0004")
+
+    async def main():
+        service = st.service()
+        await service.start()
+        try:
+            async with FakeNriRuntime(st.sock) as rt:
+                p = await rt.next_plugin()
+                annotations = {"memqos.io/requests": json.dumps({"init": "128Mi", "app": "512Mi", "a": "256Mi",
+                                                                 "b": "128Mi"})}
+                # an init container (128 Mi) that finishes, then the app (512 Mi): max, 512 Mi
+                pi = nri_pod("with-init", uid_init, "burstable", annotations)
+                tree.make_pod("burstable", uid_init)
+                await p.call("StateChange", pb.StateChangeEvent(event=pb.RUN_POD_SANDBOX, pod=pi), pb.Empty)
+                init = nri_container("ci", pi, "init", "burstable", request=128 * MI, limit=1024 * MI)
+                await p.create_container(pi, init)
+                init.state = pb.CONTAINER_RUNNING  # containerd relays StopContainer before it records the exit
+                await p.call("StateChange", pb.StateChangeEvent(event=pb.STOP_CONTAINER, pod=pi, container=init),
+                             pb.Empty)
+                await p.create_container(pi, nri_container("ca", pi, "app", "burstable", request=512 * MI,
+                                                           limit=1024 * MI))
+                # two containers side by side (256 Mi, then 128 Mi): summed, 384 Mi
+                pt = nri_pod("two", uid_two, "burstable", annotations)
+                tree.make_pod("burstable", uid_two)
+                await p.call("StateChange", pb.StateChangeEvent(event=pb.RUN_POD_SANDBOX, pod=pt), pb.Empty)
+                for cid, name, req in (("c-a", "a", 256 * MI), ("c-b", "b", 128 * MI)):
+                    await p.create_container(pt, nri_container(cid, pt, name, "burstable", request=req,
+                                                               limit=1024 * MI))
+                st.settle(service)
+                assert tree.get(tree.pod("burstable", uid_init)) == 512 * MI
+                assert tree.get(tree.pod("burstable", uid_two)) == 384 * MI
+                assert tree.get(tree.burstable) == 896 * MI
+        finally:
+            await service.stop()
     run(main())

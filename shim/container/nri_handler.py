@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # what the node state needs: the defaults (pods and containers coming and going, resizes), the
 # sandboxes stopping, and containers stopping (their finish time: the init-container rule)
 NRI_EVENTS = DEFAULT_EVENTS | {pb.STOP_POD_SANDBOX, pb.STOP_CONTAINER}
+MAX_CONTAINERS_PER_POD = 1024  # containers of one pod followed as running (a bound, far above any pod)
 
 
 def adjustment_keys(decision: Decision, kubelet_owns: Mapping[str, str]) -> dict[str, str]:
@@ -68,6 +69,8 @@ class NriMemoryQoS(Handler):
         self._rebuild = rebuild  # events of a Synchronize -> the reconciler's queue item
         self._clock = clock
         self.containers: dict[str, KnownContainer] = self.qos.containers
+        # sandbox id -> containers created and not stopped (for _running_beside)
+        self.running: dict[str, set[str]] = {}
         self.runtime = ""
         self.syncs = 0
         self.errors = 0  # answers that failed open
@@ -93,8 +96,24 @@ class NriMemoryQoS(Handler):
         except Exception as e:  # noqa: BLE001 - fail open: the container is created as asked
             self._failed("CreateContainer", pod, container, e)
             adjust, unified, annotations = None, container.linux.resources.unified, container.annotations
-        self._event(lambda: nf.container_created(pod, container, unified, annotations, start, self._clock()))
+        done = self._clock()
+        self._event(lambda: nf.container_created(pod, container, unified, annotations, start, done))
+        self._running_beside(pod.id or container.pod_sandbox_id, container.id, done)
         return adjust
+
+    def _running_beside(self, sandbox_id: str, cid: str, at: int) -> None:
+        """Every container of the pod created and not stopped is still running when ``cid`` is
+        created: said to the node state (``ContainerStatusSeen``, alive at ``at``), which tells
+        regular containers and sidecars (summed) from init containers that had finished (max),
+        what ContainerStatus polls tell in proxy mode. containerd relays StopContainer for a
+        container that exits by itself before its status says EXITED (the task's delete), so
+        before the kubelet can create the next container after it."""
+        running = self.running.setdefault(sandbox_id, set())
+        for other in sorted(running):
+            if other != cid:
+                self._put(nf.ContainerStatusSeen(other, 0, 0, False, at, at))
+        if len(running) < MAX_CONTAINERS_PER_POD:
+            running.add(cid)
 
     def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer"):
         qos = self.qos
@@ -159,9 +178,12 @@ class NriMemoryQoS(Handler):
         self._event(lambda: nf.update_pod_sandbox(pod, overhead))
 
     def event(self, event: int, pod: pb.PodSandbox, container: pb.Container | None) -> None:
-        if event == pb.REMOVE_CONTAINER and container is not None:
-            self.containers.pop(container.id, None)
+        if event in (pb.STOP_CONTAINER, pb.REMOVE_CONTAINER) and container is not None:
+            self.running.get(pod.id or container.pod_sandbox_id, set()).discard(container.id)
+            if event == pb.REMOVE_CONTAINER:
+                self.containers.pop(container.id, None)
         elif event == pb.REMOVE_POD_SANDBOX:
+            self.running.pop(pod.id, None)
             for cid in [c for c, k in self.containers.items() if k.sandbox_id == pod.id]:
                 self.containers.pop(cid, None)
         now = self._clock()
@@ -200,6 +222,13 @@ class NriMemoryQoS(Handler):
             for e in (nf.container_created(pod, c, unified, annotations, now, now), nf.container_seen(c, now, now)):
                 if e is not None:
                     events.append(e)
+        listed = {c.id for c in containers}
+        for cid in [cid for cid in self.containers if cid not in listed]:  # removed while we were away
+            self.containers.pop(cid, None)
+        self.running = {}
+        for c in containers:
+            if c.state != pb.CONTAINER_STOPPED and c.pod_sandbox_id in by_id:
+                self.running.setdefault(c.pod_sandbox_id, set()).add(c.id)
         if self._rebuild is not None:
             self._put(self._rebuild(events))
         self._emit({"event": "nri-synchronize", "mode": "nri", "pods": len(pods), "containers": len(containers),

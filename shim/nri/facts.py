@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from shim.decision import ContainerFacts, PodFacts
-from shim.decision.events import (
+from shim.decision.events import (  # noqa: F401  (re-exported for the front end)
     ContainerCreated,
     ContainerRemoved,
     ContainerResourcesUpdated,
@@ -36,6 +36,13 @@ from shim.decision.events import (
 from shim.nri import api_pb2 as pb
 
 EMPTY: Mapping[str, str] = MappingProxyType({})
+RESTART_COUNT = "io.kubernetes.container.restartCount"  # the kubelet's container annotation
+
+
+def attempt(container: pb.Container) -> int:
+    """The container's attempt (the kubelet's restart count annotation; 0 when absent)."""
+    raw = container.annotations.get(RESTART_COUNT, "")
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
 
 
 def parent_of_cgroups_path(path: str) -> str:
@@ -112,7 +119,8 @@ def container_created(pod: pb.PodSandbox, container: pb.Container, unified: Mapp
         return None
     return ContainerCreated(
         container_id=container.id, sandbox_id=container.pod_sandbox_id or pod.id,
-        pod=pod_facts(pod, container), overhead=pod_overhead(pod), name=container.name, attempt=0,
+        pod=pod_facts(pod, container), overhead=pod_overhead(pod), name=container.name,
+        attempt=attempt(container),
         kubelet=container_facts(container), unified=MappingProxyType(dict(unified)),
         annotations=MappingProxyType(dict(annotations)), start_ns=start_ns, done_ns=done_ns)
 
@@ -147,6 +155,9 @@ def lifecycle_events(event: int, pod: pb.PodSandbox, container: pb.Container | N
         return []
     if event == pb.REMOVE_CONTAINER:
         return [ContainerRemoved(container.id)]
+    if event == pb.STOP_CONTAINER:  # it has stopped, whatever state the message still carries
+        # (containerd relays it from the task's delete, before it records the exit)
+        return [ContainerStatusSeen(container.id, container.created_at, container.finished_at, True, now_ns, now_ns)]
     seen = container_seen(container, now_ns, now_ns)
     return [seen] if seen is not None else []
 
