@@ -544,3 +544,20 @@ def test_init_containers_count_by_max_and_containers_running_side_by_side_by_sum
         finally:
             await service.stop()
     run(main())
+
+
+def test_nri_settings_index_and_socket(tmp_path):
+    from shim.app.config import ConfigError
+
+    st = Stack(tmp_path, extra=("--nri-index", "7"))
+    assert (st.cfg.nri_index, st.cfg.nri_socket) == (7, st.sock)
+    service = st.service()
+    try:
+        assert (service.plugin.index, service.plugin.name, service.plugin.socket_path) == ("07", "memqos", st.sock)
+    finally:
+        service.audit.close()
+    assert nri_config([]).nri_index == 50 and nri_config([]).nri_socket == "/var/run/nri/nri.sock"
+    assert nri_config(["--nri-socket", "unix:///run/nri.sock"]).nri_socket == "/run/nri.sock"
+    for bad in (["--nri-index", "100"], ["--nri-index", "-1"], ["--nri-index", "x"], ["--nri-socket", "nri.sock"]):
+        with pytest.raises(ConfigError):
+            nri_config(bad)

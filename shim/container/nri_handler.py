@@ -92,12 +92,12 @@ class NriMemoryQoS(Handler):
     def create_container(self, pod: pb.PodSandbox, container: pb.Container) -> pb.ContainerAdjustment | None:
         start = self._clock()
         try:
-            adjust, unified, annotations = self._create(pod, container)
+            adjust, unified, annotations, facts = self._create(pod, container)
         except Exception as e:  # noqa: BLE001 - fail open: the container is created as asked
             self._failed("CreateContainer", pod, container, e)
-            adjust, unified, annotations = None, container.linux.resources.unified, container.annotations
+            adjust, unified, annotations, facts = None, container.linux.resources.unified, container.annotations, None
         done = self._clock()
-        self._event(lambda: nf.container_created(pod, container, unified, annotations, start, done))
+        self._event(lambda: nf.container_created(pod, container, unified, annotations, start, done, facts=facts))
         self._running_beside(pod.id or container.pod_sandbox_id, container.id, done)
         return adjust
 
@@ -118,13 +118,14 @@ class NriMemoryQoS(Handler):
     def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer"):
         qos = self.qos
         facts = nf.pod_facts(pod, container)
-        unified: Mapping[str, str] = container.linux.resources.unified
+        kubelet = nf.container_facts(container)
+        unified: Mapping[str, str] = kubelet.unified
         annotations: Mapping[str, str] = container.annotations
         if not qos.enabled:
             qos.rewrite_disabled()
-            return None, unified, annotations
+            return None, unified, annotations, (facts, kubelet)
         owns = qos.kubelet_keys
-        decision = decide(facts, nf.container_facts(container), qos.node, qos.policy, kubelet_owns=owns)
+        decision = decide(facts, kubelet, qos.node, qos.policy, kubelet_owns=owns)
         keys = adjustment_keys(decision, owns)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               facts.cgroup_parent)
@@ -135,7 +136,7 @@ class NriMemoryQoS(Handler):
                                                        decision.qos, decision.request)
         self._emit({**self._base(method, pod, container), **qos.describe(decision, owns),
                     "event": "rewrite" if keys else "unchanged", "adjust": keys})
-        return adjust, {**unified, **keys}, {**annotations, CONTAINER_ANNOTATION: note}
+        return adjust, {**unified, **keys}, {**annotations, CONTAINER_ANNOTATION: note}, (facts, kubelet)
 
     def update_container(self, pod: pb.PodSandbox, container: pb.Container,
                          resources: pb.LinuxResources) -> Sequence[pb.ContainerUpdate]:
@@ -215,7 +216,7 @@ class NriMemoryQoS(Handler):
             elif c.state != pb.CONTAINER_STOPPED:
                 made = self._safe(lambda: self._create(pod, c, "Synchronize"), "Synchronize", pod, c)
                 if made is not None:
-                    adjust, unified, annotations = made
+                    adjust, unified, annotations, _ = made
                     keys = dict(adjust.linux.resources.unified) if adjust is not None else {}
                     if keys:
                         updates.append(unified_update(c.id, keys))

@@ -112,16 +112,18 @@ def sandbox_started(pod: pb.PodSandbox) -> PodSandboxStarted | None:
 
 
 def container_created(pod: pb.PodSandbox, container: pb.Container, unified: Mapping[str, str],
-                      annotations: Mapping[str, str], start_ns: int, done_ns: int) -> ContainerCreated | None:
+                      annotations: Mapping[str, str], start_ns: int, done_ns: int, *,
+                      facts: tuple[PodFacts, ContainerFacts] | None = None) -> ContainerCreated | None:
     """A container as created: ``unified`` / ``annotations`` as the runtime applies them (the
-    container's own merged with our adjustment)."""
+    container's own merged with our adjustment); ``facts``: its pod_facts and container_facts
+    when already made."""
     if not container.id:
         return None
+    pod_f, kubelet = facts if facts is not None else (pod_facts(pod, container), container_facts(container))
     return ContainerCreated(
         container_id=container.id, sandbox_id=container.pod_sandbox_id or pod.id,
-        pod=pod_facts(pod, container), overhead=pod_overhead(pod), name=container.name,
-        attempt=attempt(container),
-        kubelet=container_facts(container), unified=MappingProxyType(dict(unified)),
+        pod=pod_f, overhead=pod_overhead(pod), name=container.name, attempt=attempt(container),
+        kubelet=kubelet, unified=MappingProxyType(dict(unified)),
         annotations=MappingProxyType(dict(annotations)), start_ns=start_ns, done_ns=done_ns)
 
 
