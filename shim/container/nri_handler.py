@@ -27,7 +27,7 @@ from shim.decision.memory import NEUTRAL
 from shim.decision.pod import CONTAINER_ANNOTATION, parse_annotation
 from shim.nri import api_pb2 as pb
 from shim.nri import facts as nf
-from shim.nri.handler import DEFAULT_EVENTS, Handler, unified_adjustment, unified_update
+from shim.nri.handler import DEFAULT_EVENTS, Handler, unified_update
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,11 @@ class NriMemoryQoS(Handler):
         keys = adjustment_keys(decision, owns)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               facts.cgroup_parent)
-        adjust = unified_adjustment(keys) if keys else pb.ContainerAdjustment()
+        adjust = pb.ContainerAdjustment()
+        if keys:
+            target = adjust.linux.resources.unified
+            for key, value in keys.items():  # (a protobuf map's update() is the slow generic one)
+                target[key] = value
         if annotations.get(CONTAINER_ANNOTATION) != note:
             adjust.annotations[CONTAINER_ANNOTATION] = note
         self.containers[container.id] = KnownContainer(container.pod_sandbox_id or pod.id, container.name, facts,

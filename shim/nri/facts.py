@@ -88,9 +88,12 @@ def oom_score_adj(container: pb.Container) -> int:
 def container_facts(container: pb.Container) -> ContainerFacts:
     """A container as the decision reads it: limit, oom_score_adj and the unified map the
     runtime handed us (the kubelet's values only where the runtime's NRI copies them)."""
-    res = container.linux.resources
-    return ContainerFacts(name=container.name, limit=memory_limit(res), oom_score_adj=oom_score_adj(container),
-                          unified=MappingProxyType(dict(res.unified)))
+    linux = container.linux
+    res = linux.resources
+    unified = res.unified
+    return ContainerFacts(name=container.name, limit=memory_limit(res),
+                          oom_score_adj=linux.oom_score_adj.value if linux.HasField("oom_score_adj") else 0,
+                          unified=MappingProxyType(dict(unified) if unified else {}))
 
 
 def update_facts(container: pb.Container, resources: pb.LinuxResources) -> ContainerFacts:
