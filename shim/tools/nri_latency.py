@@ -87,13 +87,13 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def measure(calls: int, warmup: int, tmp: Path) -> dict[str, list[float]]:
+async def measure(calls: int, warmup: int, tmp: Path, extra: tuple = ()) -> dict[str, list[float]]:
     from shim.testing.fake_nri_runtime import FakeNriRuntime
 
     socks = {"no-op": str(tmp / "noop" / "nri.sock"), "memqos": str(tmp / "memqos" / "nri.sock")}
     commands = {
         "no-op": [sys.executable, "-m", "shim.tools.nri_latency", "--serve-noop", socks["no-op"]],
-        "memqos": [sys.executable, "-m", "shim", "nri", "--nri-socket", socks["memqos"], *node_files(tmp)],
+        "memqos": [sys.executable, "-m", "shim", "nri", "--nri-socket", socks["memqos"], *node_files(tmp), *extra],
     }
     times: dict[str, list[float]] = {name: [] for name in socks}
     async with FakeNriRuntime(socks["no-op"]) as rt_noop, FakeNriRuntime(socks["memqos"]) as rt_memqos:
@@ -125,7 +125,7 @@ async def measure(calls: int, warmup: int, tmp: Path) -> dict[str, list[float]]:
     return times
 
 
-def handler_cost(rounds: int = 7, n: int = 2000) -> tuple[float, float]:
+def handler_cost(rounds: int = 15, n: int = 1000) -> tuple[float, float]:
     """(proxy mode's rewrite, the NRI handler) in microseconds per CreateContainer, medians."""
     from shim.app.service import build_container_qos
     from shim.container.nri_handler import NriMemoryQoS
@@ -155,19 +155,15 @@ def handler_cost(rounds: int = 7, n: int = 2000) -> tuple[float, float]:
         rewriter.rewrite(call)
         call.audit()
 
-    def median(fn) -> float:
-        out = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            out.append((time.perf_counter() - t) / n * 1e6)
-        return statistics.median(out)
+    def per_call(fn) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e6
 
-    results = []
-    for _ in range(2):  # the first pass warms up
-        results = [(median(proxy), median(nri))]
-    return results[-1]
+    per_call(proxy), per_call(nri)  # warm up
+    pairs = [(per_call(proxy), per_call(nri)) for _ in range(rounds)]  # alternating: drift hits both
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
 
 
 def serve_noop(sock: str) -> int:
@@ -189,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="CreateContainer calls per plugin (default 2000)")
     p.add_argument("--warmup", type=int, default=200, help="calls of each not counted (default 200)")
+    p.add_argument("--no-reconcile", action="store_true",
+                   help="run memqos-shim nri with reconcile false (the handler's path alone)")
     p.add_argument("--serve-noop", metavar="SOCK", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_noop:
         return serve_noop(args.serve_noop)
     calls = max(1, min(args.calls, 100_000))
     with tempfile.TemporaryDirectory(prefix="nri-latency-") as d:
-        times = asyncio.run(measure(calls, max(0, args.warmup), Path(d)))
+        extra = ("--reconcile", "false") if args.no_reconcile else ()
+        times = asyncio.run(measure(calls, max(0, args.warmup), Path(d), extra))
     print(f"CreateContainer round trip at the runtime (fake NRI runtime, unix socket), {calls} calls each, "
           f"alternating, microseconds:")
     print(f"  {'plugin':<8} {'p50':>8} {'p99':>8} {'mean':>8}")
