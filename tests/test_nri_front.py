@@ -283,9 +283,11 @@ def test_synchronize_rebuilds_the_node_state_restores_values_and_lowers_nothing(
             await asyncio.sleep(0.3)
             assert service.reconciler.sync(10)
             assert records(st.audit, "resync") == []  # nothing before the runtime's listing
-            async with FakeNriRuntime(st.sock, pods=[g, b, e], containers=containers) as rt:
+            # split in pieces of 2 (as a runtime does above 4 MiB): updates only in the last reply
+            async with FakeNriRuntime(st.sock, pods=[g, b, e], containers=containers, sync_chunk=2) as rt:
                 p = await rt.next_plugin()
-                [reply] = p.sync_replies
+                assert [r.more for r in p.sync_replies] == [True, True, False]
+                reply = p.sync_replies[-1]
                 # (BestEffort gets memory.high too: allocatable x factor, as in proxy mode)
                 assert [u.container_id for u in reply.update] == ["cb", "ce"]
                 upd = dict(reply.update[0].linux.resources.unified)
@@ -561,3 +563,40 @@ def test_nri_settings_index_and_socket(tmp_path):
     for bad in (["--nri-index", "100"], ["--nri-index", "-1"], ["--nri-index", "x"], ["--nri-socket", "nri.sock"]):
         with pytest.raises(ConfigError):
             nri_config(bad)
+
+
+def test_metrics_and_the_monitor_run_in_nri_mode(tmp_path):
+    """The same metrics and monitor as serve: the NRI handler's decisions are counted, and the
+    monitor follows the containers the handler and the reconciler know."""
+    import urllib.request
+
+    st = Stack(tmp_path, extra=("--metrics-address", "127.0.0.1:0", "--monitor-interval", "0.1"))
+    tree = st.tree
+
+    async def main():
+        service = st.service()
+        await service.start()
+        try:
+            async with FakeNriRuntime(st.sock) as rt:
+                p = await rt.next_plugin()
+                g = nri_pod("g", UG, "guaranteed")
+                tree.make_pod("guaranteed", UG)
+                await p.call("StateChange", pb.StateChangeEvent(event=pb.RUN_POD_SANDBOX, pod=g), pb.Empty)
+                await p.create_container(g, nri_container("cg", g, "app", "guaranteed", request=512 * MI,
+                                                          limit=512 * MI))
+                st.settle(service)
+                # the monitor follows the container: from the handler and from the reconciler's view
+                assert [r.id for r in service.monitor.refs()] == ["cg"]
+                for _ in range(100):  # and its next round counts it
+                    if service.monitor.snapshot().containers == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                assert service.monitor.snapshot().containers == 1
+                host, port = service.metrics.address
+                text = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode())
+                assert 'memqos_rewrites_total{method="CreateContainer",qos="Guaranteed"' in text
+                assert service.monitor.running
+        finally:
+            await service.stop()
+    run(main())
