@@ -224,7 +224,9 @@ class NriMemoryQoS(Handler):
                     keys = dict(adjust.linux.resources.unified) if adjust is not None else {}
                     if keys:
                         updates.append(unified_update(c.id, keys))
-            for e in (nf.container_created(pod, c, unified, annotations, now, now), nf.container_seen(c, now, now)):
+            for make in (lambda: nf.container_created(pod, c, unified, annotations, now, now),
+                         lambda: nf.container_seen(c, now, now)):
+                e = self._safe(make)
                 if e is not None:
                     events.append(e)
         listed = {c.id for c in containers}
