@@ -50,13 +50,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(service))
 
 
-async def _serve(service) -> int:
+# -- nri -----------------------------------------------------------------------
+def cmd_nri(args: argparse.Namespace) -> int:
+    """The shim as an NRI plugin (shim.app.nri_front), from the same settings as serve."""
+    try:
+        cfg = resolve(args)
+    except ConfigError as e:
+        print(f"memqos-shim: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from shim.app.nri_front import NriService
+    from shim.effects.files import UnsafeFile
+
+    try:
+        service = NriService.from_config(cfg)
+    except UnsafeFile as e:
+        print(f"memqos-shim: {e.strerror}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    return asyncio.run(_serve(service, f"NRI plugin on {cfg.nri_socket}"))
+
+
+async def _serve(service, status: str = "") -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
-    sd_notify(f"READY=1\nSTATUS=serving on {service.cfg.listen}")
+    sd_notify(f"READY=1\nSTATUS={status or f'serving on {service.cfg.listen}'}")
     await stop.wait()
     log.info("stopping")
     sd_notify("STOPPING=1")
@@ -235,6 +262,10 @@ def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
     add_arguments(serve, OPTIONS)
     serve.set_defaults(func=cmd_serve)
 
+    nri = sub.add_parser("nri", help="run as an NRI plugin of containerd / CRI-O (no kubelet change)")
+    add_arguments(nri, OPTIONS)
+    nri.set_defaults(func=cmd_nri)
+
     ex = sub.add_parser("explain", help="show what the shim would put in unified, and why")
     ex.add_argument("--request", default="0", metavar="Q", help="memory request (quantity)")
     ex.add_argument("--limit", default="0", metavar="Q", help="memory limit (quantity, 0 = none)")
@@ -271,7 +302,7 @@ _EXTRA_COMMANDS: list = [_register_trace_commands]
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(serve_only=bool(argv) and argv[0] == "serve")
+    parser = build_parser(serve_only=bool(argv) and argv[0] in ("serve", "nri"))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

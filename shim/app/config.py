@@ -223,6 +223,25 @@ def _frame_size(v: Any) -> int:
     return n
 
 
+def _nri_socket(v: Any) -> str:
+    text = str(v).strip()
+    if text.startswith("unix://"):
+        text = text[len("unix://"):]
+    if not text.startswith("/"):
+        raise ConfigError(f"the NRI socket must be an absolute path, not {v!r}")
+    return text
+
+
+def _nri_index(v: Any) -> int:
+    try:
+        n = int(str(v).strip(), 10)
+    except ValueError:
+        raise ConfigError(f"an NRI plugin index is a number 0..99, not {v!r}")
+    if not 0 <= n <= 99:
+        raise ConfigError(f"an NRI plugin index is 0..99 (two digits), not {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting: the flag --NAME, the YAML key NAME and the Config field NAME_WITH_UNDERSCORES."""
@@ -327,6 +346,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("health-file", "str | None", None, _optional_path,
            "heartbeat file for exec probes (`memqos-shim health --file PATH`): the front end rewrites it every "
            "few seconds with its state; default: none", "PATH"),
+    Option("nri-socket", "str", "/var/run/nri/nri.sock", _nri_socket,
+           "`memqos-shim nri`: the runtime's NRI socket the plugin connects to (ignored when the runtime "
+           "starts the plugin itself and passes NRI_PLUGIN_SOCKET)", "PATH"),
+    Option("nri-index", "int", 50, _nri_index,
+           "`memqos-shim nri`: the plugin's index 0..99 (registered as two digits, `50-memqos`); the runtime "
+           "calls plugins in ascending index order. 50 runs after plugins that pin themselves first "
+           "(koordlet: 00) and before nri-plugins' default 90; memqos sets only memory.* unified keys, "
+           "which no other plugin may set on the same container anyway", "N"),
     Option("monitor-interval", "float", 5.0, _non_negative_float,
            "seconds between samples of every managed container's memory.* files (metrics and the memory.high "
            "guard; read in a side thread, never on the CRI path); 0 turns sampling and the guard off", "S"),

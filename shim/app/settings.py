@@ -132,6 +132,14 @@ class Config:
     #: --health-file: heartbeat file for exec probes (`memqos-shim health --file PATH`): the front
     #: end rewrites it every few seconds with its state; default: none
     health_file: str | None = None
+    #: --nri-socket: `memqos-shim nri`: the runtime's NRI socket the plugin connects to (ignored
+    #: when the runtime starts the plugin itself and passes NRI_PLUGIN_SOCKET)
+    nri_socket: str = "/var/run/nri/nri.sock"
+    #: --nri-index: `memqos-shim nri`: the plugin's index 0..99 (registered as two digits,
+    #: `50-memqos`); the runtime calls plugins in ascending index order. 50 runs after plugins that
+    #: pin themselves first (koordlet: 00) and before nri-plugins' default 90; memqos sets only
+    #: memory.* unified keys, which no other plugin may set on the same container anyway
+    nri_index: int = 50
     #: --monitor-interval: seconds between samples of every managed container's memory.* files
     #: (metrics and the memory.high guard; read in a side thread, never on the CRI path); 0 turns
     #: sampling and the guard off

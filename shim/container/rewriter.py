@@ -112,9 +112,7 @@ class ContainerMemoryQoS:
     def rewrite(self, call: RpcCall) -> bytes:
         request = call.request
         if not self.enabled:
-            if not self._warned:
-                self._warned = True
-                log.warning("memory QoS injection is off: %s; CRI calls pass through", self.disabled_reason)
+            self.rewrite_disabled()
             return request
         method = call.method
         try:
@@ -138,6 +136,12 @@ class ContainerMemoryQoS:
                 "error": f"{e.__class__.__name__}: {e}"[:500],
             }
             return request
+
+    def rewrite_disabled(self) -> None:
+        """Say once why nothing is rewritten."""
+        if not self._warned:
+            self._warned = True
+            log.warning("memory QoS injection is off: %s; containers are created as asked", self.disabled_reason)
 
     def not_rewritten(self, method: str, reason: str) -> None:
         """The transport forwarded a rewritable call without asking rewrite(): audit the fail-open."""
@@ -204,7 +208,7 @@ class ContainerMemoryQoS:
 
     def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, owns,
                          **extra: Any) -> dict:
-        return {**base(*args), **self._describe(decision, owns), **extra}
+        return {**base(*args), **self.describe(decision, owns), **extra}
 
     def _update(self, call: RpcCall) -> bytes:
         request = call.request
@@ -249,7 +253,8 @@ class ContainerMemoryQoS:
         call.audit, call.decision, call.parsed = record, decision, msg
         return out
 
-    def _describe(self, d: Decision, owns) -> dict:
+    def describe(self, d: Decision, owns) -> dict:
+        """The decision as the audit record says it (both front ends)."""
         return {
             "event": "rewrite" if d.changed else "unchanged",
             "qos": d.qos.value,

@@ -1,4 +1,5 @@
-"""What a finished CRI call tells about the node, as typed events (no protobuf past here).
+"""What a finished CRI call tells about the node, as typed events (``shim.decision.events``; no
+protobuf past here).
 
 ``call_event(call)`` turns one finished, successful call of ``OBSERVED_METHODS`` into its event,
 or None when it tells nothing. It parses the call's messages -- never on the relay thread: the
@@ -8,9 +9,8 @@ changes it in place; with ``RpcCall.decision`` its ``unified_before`` is the kub
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping
 
 from shim.cri import pb
 from shim.cri.facts import observed_container_facts, pod_facts, pod_overhead
@@ -24,95 +24,20 @@ from shim.cri.methods import (
     UPDATE_CONTAINER_RESOURCES,
     UPDATE_POD_SANDBOX_RESOURCES,
 )
-from shim.decision import ContainerFacts, Decision, PodFacts
+from shim.decision import ContainerFacts, Decision
+from shim.decision.events import (  # noqa: F401  (the event types, re-exported for callers)
+    EVENT_TYPES,
+    ContainerCreated,
+    ContainerRemoved,
+    ContainerResourcesUpdated,
+    ContainerStatusSeen,
+    Event,
+    PodResourcesUpdated,
+    PodSandboxRemoved,
+    PodSandboxStarted,
+    PodSandboxStopped,
+)
 from shim.transport.hooks import RpcCall
-
-
-@dataclass(frozen=True)
-class PodSandboxStarted:
-    """RunPodSandbox answered with the sandbox's id."""
-
-    sandbox_id: str
-    pod: PodFacts
-    overhead: int
-
-
-@dataclass(frozen=True)
-class ContainerCreated:
-    """CreateContainer answered with the container's id: the pod it is in, and its resources
-    as the kubelet asked (``kubelet``) and as the runtime got them (``unified``, ``annotations``)."""
-
-    container_id: str
-    sandbox_id: str
-    pod: PodFacts
-    overhead: int  # of the sandbox config the request carries
-    name: str
-    attempt: int
-    kubelet: ContainerFacts
-    unified: Mapping[str, str]  # as sent
-    annotations: Mapping[str, str]  # as sent
-    start_ns: int  # the shim's clock when the call began
-    done_ns: int  # ... and when it ended
-
-
-@dataclass(frozen=True)
-class ContainerResourcesUpdated:
-    """UpdateContainerResources with linux resources."""
-
-    container_id: str
-    unified: Mapping[str, str]  # as sent
-    kubelet_unified: Mapping[str, str]  # as the kubelet sent it
-    limit: int  # memory_limit_in_bytes
-
-
-@dataclass(frozen=True)
-class PodResourcesUpdated:
-    """UpdatePodSandboxResources with an overhead."""
-
-    sandbox_id: str
-    overhead: int
-
-
-@dataclass(frozen=True)
-class ContainerRemoved:
-    """RemoveContainer: the container is gone (whether or not it was known)."""
-
-    container_id: str
-
-
-@dataclass(frozen=True)
-class PodSandboxStopped:
-    """StopPodSandbox: the sandbox is no longer ready (the pod stays active while another
-    sandbox of it is); its containers stay until removed."""
-
-    sandbox_id: str
-
-
-@dataclass(frozen=True)
-class PodSandboxRemoved:
-    """RemovePodSandbox: the sandbox and every container in it are gone; the pod with them
-    when it has no other sandbox (its cgroup's protection goes with it, the QoS class and
-    node sums shrink)."""
-
-    sandbox_id: str
-
-
-@dataclass(frozen=True)
-class ContainerStatusSeen:
-    """A ContainerStatus answer: when the container was created and finished (the runtime's
-    clock, 0 = not reported), whether it had exited, between ``start_ns`` and ``done_ns``
-    (the shim's clock)."""
-
-    container_id: str
-    created_at: int
-    finished_at: int
-    exited: bool
-    start_ns: int
-    done_ns: int
-
-
-Event = Union[PodSandboxStarted, ContainerCreated, ContainerResourcesUpdated, PodResourcesUpdated,
-              ContainerRemoved, PodSandboxStopped, PodSandboxRemoved, ContainerStatusSeen]
 
 
 def status_seen(status: Any, start_ns: int, done_ns: int) -> ContainerStatusSeen:

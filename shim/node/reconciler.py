@@ -36,6 +36,7 @@ from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
 from shim.cri.events import OBSERVED_METHODS, call_event
+from shim.decision.events import EVENT_TYPES
 from shim.node.state import NodeState
 from shim.node.view import NodeView
 from shim.transport.hooks import FinishedCall
@@ -101,6 +102,16 @@ class _Resync:
         self.fresh = fresh
 
 
+class Rebuild:
+    """A listing from another source than the runtime client (NRI's Synchronize):
+    ``make(state, gen)`` gives the Snapshot the node state is rebuilt from, on the reconciler's
+    thread, in queue order with the events around it; a full pass follows (``reason``)."""
+
+    def __init__(self, make: Callable, reason: str):
+        self.make = make
+        self.reason = reason
+
+
 class _NewOwnership:
     def __init__(self, ownership, reason: str):
         self.ownership = ownership
@@ -148,6 +159,7 @@ class Reconciler(Worker):
         ownership=None,
         systemd_writes: str = "cgroupfs",
         allocatable: int | None = None,
+        wait_for_listing: bool = False,
     ):
         super().__init__("memqos-reconciler", logger=log, label="reconciler", report_error=self._report_error)
         self.cgroup_root = cgroup_root
@@ -184,6 +196,9 @@ class Reconciler(Worker):
         self.kept = False  # a pass has kept protection in force since start (the first one floors no sum)
         self._refused: set[str] = set()
         self._next_at = 0.0  # the next periodic resync (time.monotonic())
+        # without a runtime client: write nothing before a listing (``Rebuild``) arrives
+        self.wait_for_listing = wait_for_listing
+        self.listings = 0  # Rebuilds applied
 
     # -- lifecycle
     def stop(self, timeout: float = 5.0) -> bool:
@@ -198,6 +213,10 @@ class Reconciler(Worker):
 
     def request_resync(self, reason: str = "requested", fresh: bool = False) -> None:
         self._queue.put(_Resync(reason, fresh))
+
+    def submit(self, item) -> None:
+        """Queue a node event (``shim.decision.events``) or a ``Rebuild``: from any thread, never waits."""
+        self._queue.put(item)
 
     def set_ownership(self, ownership, reason: str = "ownership changed") -> None:
         """Recompute with a new Ownership (shim.node.kubelet; e.g. once the kubelet's version is
@@ -231,6 +250,12 @@ class Reconciler(Worker):
             elif isinstance(it, _NewOwnership):
                 if self._take_ownership(it.ownership) and resync is None:
                     resync = _Resync(it.reason, False)
+            elif isinstance(it, Rebuild):
+                if self._guard(self._rebuild, it):
+                    resync = _Resync(it.reason, True)
+            elif isinstance(it, EVENT_TYPES):  # a front end that makes its own events (NRI)
+                changed, uid = self._guard(self.state.apply, it) or (False, None)
+                dirty |= changed
             elif isinstance(it, FinishedCall):
                 changed, uid = self._guard(self._apply, it) or (False, None)
                 dirty |= changed
@@ -286,6 +311,11 @@ class Reconciler(Worker):
         event = call_event(call)
         return (False, None) if event is None else self.state.apply(event)
 
+    def _rebuild(self, it: Rebuild) -> bool:
+        self.state.rebuild(it.make(self.state, self.state.snap_gen + 1))
+        self.listings += 1
+        return True
+
     def _refresh_pod(self, uid: str) -> bool:
         """Ask the runtime for the state of the pod's containers that had not finished when
         last seen (for the init-container rule: created_at / finished_at)."""
@@ -315,6 +345,9 @@ class Reconciler(Worker):
             self._check_tree()
             self.resyncs += 1
             return
+        if self.client is None and self.wait_for_listing and not self.listings:
+            self.say_idle("waiting for the runtime's listing (NRI Synchronize): nothing is written before it")
+            return
         if self.client is not None:
             try:
                 snap = take_snapshot(self.client, None if fresh else self.state, self.capacity,
@@ -332,7 +365,8 @@ class Reconciler(Worker):
         if first or writes or reason != "periodic":
             self._emit({"event": "resync", "reason": reason, "pods": len(self.state.pods),
                         "containers": len(self.state.container_pod), "writes": writes,
-                        "source": "runtime" if self.client is not None else "observed calls"})
+                        "source": "runtime" if self.client is not None else
+                        "listing and events" if self.listings else "observed calls"})
 
     # -- cgroups
     def on_idle(self, reason: str) -> None:
@@ -446,7 +480,7 @@ class Reconciler(Worker):
         departures = self.state.take_departures()
         targets = keep_protection(targets, in_force, departures, allocatable_bound(self.allocatable, self.capacity)[0],
                                   self.page_size,
-                                  start=not self.kept and self.client is not None)
+                                  start=not self.kept and (self.client is not None or self.listings > 0))
         self.kept = True
         self.pod_files = {k: t.pod for k, t in targets.items() if t.pod}
         if full:  # forget cgroups no longer managed (pods long gone)

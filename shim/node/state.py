@@ -5,7 +5,8 @@ UpdateContainerResources, UpdatePodSandboxResources, RemoveContainer, StopPodSan
 RemovePodSandbox) and rebuilt from the runtime's own listings (``rebuild``). Everything here
 runs on the reconciler's thread; nothing here is on the CRI path.
 
-Each observed call is applied as its event (``shim.cri.events``), one method per event type.
+Each observed call is applied as its event (``shim.decision.events``: made by ``shim.cri.events``
+from CRI calls, by ``shim.nri.facts`` from NRI requests), one method per event type.
 The pod's memory request is the kubelet's rule, ``shim.decision.pod.pod_request``, applied to
 the containers kept here.
 
@@ -20,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from shim.cri.events import (
+from shim.cri.events import call_event, status_seen
+from shim.decision.events import (
     ContainerCreated,
     ContainerRemoved,
     ContainerResourcesUpdated,
@@ -30,8 +32,6 @@ from shim.cri.events import (
     PodSandboxRemoved,
     PodSandboxStarted,
     PodSandboxStopped,
-    call_event,
-    status_seen,
 )
 from shim.decision import QoSClass, parse_cgroup_parent
 from shim.decision.pod import PodRequest, container_request, derive_request, pod_request, request_from_unified
@@ -413,3 +413,27 @@ _APPLY: dict[type, Callable[[NodeState, Any], tuple[bool, str | None]]] = {
     PodSandboxRemoved: NodeState.sandbox_removed,
     ContainerStatusSeen: NodeState.status_seen,
 }
+
+
+def listing_snapshot(events, known: NodeState | None, capacity: int, gen: int) -> Snapshot:
+    """A runtime listing given as events (``PodSandboxStarted``, ``ContainerCreated``,
+    ``ContainerStatusSeen``; e.g. NRI's Synchronize) as the Snapshot ``rebuild`` takes. A
+    container the known state has keeps the request it was given there (the listing may carry
+    less: no kubelet values on containerd < 2.2)."""
+    tmp = NodeState(capacity)
+    for e in events:
+        tmp.apply(e)
+    snap = Snapshot(gen=gen)
+    for pod in tmp.pods.values():
+        for sb in pod.sandboxes.values():
+            snap.sandboxes.append(SandboxView(sb, PodRecord(pod.uid, pod.namespace, pod.name, dict(pod.annotations))))
+        for c in pod.containers.values():
+            kc = known.container(c.id) if known is not None else None
+            if kc is not None and kc.source:
+                c.request, c.source, c.qos, c.cgroup_parent = kc.request, kc.source, kc.qos, kc.cgroup_parent
+                c.create_start = kc.create_start or c.create_start
+            c.first_gen = kc.first_gen if kc is not None and kc.first_gen else gen
+            if not c.finished_at and not c.exited_by:
+                c.alive_gen = gen
+            snap.containers.append(c)
+    return snap

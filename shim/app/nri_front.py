@@ -1,0 +1,160 @@
+"""`memqos-shim nri`: the shim as an NRI plugin, over the same decision, reconciler, audit,
+metrics, guard and reclaim as `serve`, from the same config file.
+
+What differs from `serve`: no CRI socket and no runtime client. Containers get their values
+from the plugin's answers (``shim.container.nri_handler.NriMemoryQoS``); the reconciler is
+fed by the runtime's NRI messages (events and the Synchronize listing, handed over as typed
+events and one ``Rebuild``) and writes nothing before the first Synchronize; its periodic
+resync recomputes from that listing plus the events since (repairing drift), and the init
+container rule is fed by the container states NRI messages carry (StopContainer, StateChange)
+instead of ContainerStatus polls.
+
+The plugin runs on the main event loop; the heartbeat file (``health-file``) says
+``registered`` while the runtime has the plugin registered, ``connecting`` otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from shim.app.config import Config
+from shim.app.service import Service, kubelet_ownership, protobuf_backend
+from shim.container.nri_handler import NriMemoryQoS
+from shim.evidence.audit import AuditLog
+from shim.node.facts import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
+
+log = logging.getLogger(__name__)
+
+CONNECTING = "connecting"
+
+
+def build_nri_reconciler(cfg: Config, kubelet, node, emit, ownership=None):
+    """The reconciler of NRI mode: no runtime client; it waits for the first listing."""
+    if not cfg.reconcile:
+        return None
+    from shim.node.reconciler import Reconciler
+
+    return Reconciler(cgroup_root=cfg.cgroup_root, kubelet=kubelet, policy=cfg.policy, capacity=node.capacity,
+                      page_size=node.page_size, emit=emit, client_factory=None,
+                      resync_interval=cfg.resync_interval, ownership=ownership,
+                      systemd_writes=cfg.systemd_writes, allocatable=node.allocatable, wait_for_listing=True)
+
+
+def listing_rebuild(capacity: int):
+    """Synchronize's events -> the reconciler's Rebuild (made into a Snapshot on its thread)."""
+    from shim.node.reconciler import Rebuild
+    from shim.node.state import listing_snapshot
+
+    def rebuild(events: list):
+        return Rebuild(lambda state, gen: listing_snapshot(events, state, capacity, gen), "nri-synchronize")
+
+    return rebuild
+
+
+class NriService(Service):
+    """The parts of `serve` that do not depend on a CRI socket, around an NRI plugin.
+    ``container_qos`` is the NRI handler (it has the rewriter's ``ownership`` and
+    ``containers``), so the kubelet-version and metrics wiring of ``Service`` apply as they are."""
+
+    heartbeat_interval = 5.0  # seconds between heartbeats (health-file)
+
+    def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, handler: NriMemoryQoS, reconciler=None,
+                 monitor=None, metrics=None, *, version_pending: bool = False):
+        from shim.nri.plugin import NriPlugin
+
+        self.cfg, self.node, self.kubelet, self.audit = cfg, node, kubelet, audit
+        self.container_qos = self.handler = handler
+        self.recorder = None
+        self.proxy = None
+        self.reconciler, self.monitor, self.metrics = reconciler, monitor, metrics
+        self.version_pending = version_pending
+        self.version_watcher = None
+        self.plugin = NriPlugin(handler, index="%02d" % cfg.nri_index, socket_path=cfg.nri_socket)
+        self.heartbeat = None
+        self._beating: asyncio.Future | None = None
+        self._running: asyncio.Future | None = None
+        self._stop = asyncio.Event()
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "NriService":
+        kubelet = load_kubelet_config(cfg.kubelet_config)
+        for problem in kubelet.problems:
+            log.warning("kubelet config: %s", problem)
+        capacity = read_mem_total(cfg.meminfo)
+        page = cfg.page_size or system_page_size()
+        node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
+        v2 = is_cgroup_v2(cfg.cgroup_root)
+        audit = AuditLog(cfg.audit_log).start()
+        writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
+        if protobuf_backend() != "upb":
+            log.warning("protobuf backend is %r, not upb: each NRI answer costs ~1 ms instead of ~10 us",
+                        protobuf_backend())
+        audit.emit({
+            "event": "start", "mode": "nri", "nri_socket": cfg.nri_socket, "nri_index": "%02d" % cfg.nri_index,
+            "capacity": capacity, "allocatable": node.allocatable, "factor": node.factor, "page_size": page,
+            "policy": cfg.policy.value, "cgroup_v2": v2, "kubelet_config": kubelet.source or None,
+            "cgroup_driver": kubelet.cgroup_driver, "kubelet_memory_qos_gate": kubelet.memory_qos_gate,
+            "kubelet_version": None if writes.version is None else "%d.%d" % writes.version,
+            "kubelet_version_source": version_how, "kubelet_writes": writes.summary(),
+            "kubelet_assumptions": list(writes.assumptions), "ownership": owners.as_dict(),
+        })
+        log.info("node: capacity %d, allocatable %d, factor %s, page %d, policy %s, cgroup v2 %s",
+                 capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
+        for line in owners.lines():
+            log.info("owner: %s", line)
+        reconciler = build_nri_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
+        reason = "" if v2 else f"{cfg.cgroup_root}/cgroup.controllers not found (not cgroup v2)"
+        handler = NriMemoryQoS(node, cfg.policy, audit.emit, ownership=owners, enabled=v2, disabled_reason=reason,
+                               enqueue=reconciler.submit if reconciler is not None else None,
+                               rebuild=listing_rebuild(capacity) if reconciler is not None else None)
+        from shim.guard.monitor import build_monitor
+
+        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=handler, reconciler=reconciler) \
+            if v2 else None
+        metrics = None
+        if cfg.metrics_address:
+            from shim.evidence.metrics import build_metrics
+
+            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
+        return cls(cfg, node, kubelet, audit, handler, reconciler=reconciler, monitor=monitor, metrics=metrics,
+                   version_pending=pending)
+
+    def state(self) -> str:
+        return "registered" if self.plugin.registered else CONNECTING
+
+    async def start(self) -> None:
+        if self.cfg.health_file:
+            from shim.evidence.health import Heartbeat
+
+            self.heartbeat = Heartbeat(self.cfg.health_file, self.heartbeat_interval)
+            self.heartbeat.beat(CONNECTING)
+            self._beating = asyncio.ensure_future(self.heartbeat.run(self.state))
+        if self.reconciler is not None:
+            self.reconciler.start()  # idle until the first Synchronize
+        self._running = asyncio.ensure_future(self.plugin.run(self._stop))
+        log.info("NRI plugin %02d-%s on %s", self.cfg.nri_index, self.plugin.name, self.cfg.nri_socket)
+        if self.version_pending:
+            from shim.node.kubelet_version import KubeletVersionWatcher
+
+            self.version_watcher = KubeletVersionWatcher(self.kubelet_version_known).start()
+        if self.monitor is not None:
+            self.monitor.start()
+        if self.metrics is not None:
+            self.start_metrics_server()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._running is not None:
+            await asyncio.gather(self._running, return_exceptions=True)
+        if self._beating is not None:  # the file is removed: not alive any more
+            self._beating.cancel()
+            await asyncio.gather(self._beating, return_exceptions=True)
+        if self.version_watcher is not None:
+            self.version_watcher.stop(timeout=1.0)
+        if self.reconciler is not None:
+            self.reconciler.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.audit.close()

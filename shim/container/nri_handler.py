@@ -1,0 +1,297 @@
+"""Container memory QoS as an NRI plugin: the ``shim.nri.handler.Handler`` of `memqos-shim nri`.
+
+The same decision as the CRI rewriter (``shim.container.rewriter``), over NRI's messages
+(``shim.nri.facts``): CreateContainer gets ``adjust.linux.resources.unified`` with the keys the
+decision sets (keys the kubelet owns are left as they are), UpdateContainer a ContainerUpdate
+for the same container, Synchronize updates for the containers that were created without us.
+Every answer is audited like the rewriter's, with ``mode: nri``.
+
+What the runtime tells about pods and containers becomes the node state's typed events
+(``shim.decision.events``) handed to ``enqueue`` (the reconciler's queue: a put, never a wait);
+Synchronize becomes one ``Rebuild`` of the node state, queued before any event after it.
+
+Handlers run on the plugin's event loop while the runtime holds its node-wide lock and waits
+(2 s by default): they only parse, decide and enqueue. Our own problems never become an error
+status (that fails the pod): they are logged and audited (``fail-open``), and the answer is an
+empty adjustment.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from shim.container.rewriter import ContainerMemoryQoS, KnownContainer, container_note
+from shim.decision import OWNED_KEYS, Decision, NodeFacts, Policy, QoSClass, Request, RequestSource, decide
+from shim.decision.memory import NEUTRAL
+from shim.decision.pod import CONTAINER_ANNOTATION, parse_annotation
+from shim.nri import api_pb2 as pb
+from shim.nri import facts as nf
+from shim.nri.handler import DEFAULT_EVENTS, Handler, unified_update
+
+log = logging.getLogger(__name__)
+
+# what the node state needs: the defaults (pods and containers coming and going, resizes), the
+# sandboxes stopping, and containers stopping (their finish time: the init-container rule)
+NRI_EVENTS = DEFAULT_EVENTS | {pb.STOP_POD_SANDBOX, pb.STOP_CONTAINER}
+MAX_CONTAINERS_PER_POD = 1024  # containers of one pod followed as running (a bound, far above any pod)
+
+
+def adjustment_keys(decision: Decision, kubelet_owns: Mapping[str, str]) -> dict[str, str]:
+    """The unified keys to send so that the container ends up with ``unified_after``: the ones
+    that differ from what it has, and, for a key the decision leaves out that the container
+    has, its neutral value (an adjustment merges keys, it cannot remove one; "0" / "max" is
+    what a cgroup holds when nobody writes the key). Keys the kubelet owns are never sent."""
+    before, after = decision.unified_before, decision.unified_after
+    out = {k: v for k, v in after.items() if before.get(k) != v and k not in kubelet_owns}
+    for key in OWNED_KEYS:
+        if key in before and key not in after and key not in kubelet_owns:
+            out[key] = NEUTRAL[key]
+    return out
+
+
+class NriMemoryQoS(Handler):
+    """The NRI front end's handler. ``containers`` (id -> KnownContainer) is what it decided at
+    creation, for resizes and for the monitor (as the rewriter's); ``ownership`` as the
+    rewriter's (``set_ownership`` from any thread)."""
+
+    events = frozenset(NRI_EVENTS)
+
+    def __init__(self, node: NodeFacts, policy: Policy, emit: Callable[[dict], None], *,
+                 enqueue: Callable[[Any], None] | None = None, ownership=None, enabled: bool = True,
+                 disabled_reason: str = "", rebuild: Callable[[list], Any] | None = None,
+                 clock: Callable[[], int] = time.time_ns):
+        # the decision and its audit record are the rewriter's, as they are in proxy mode
+        self.qos = ContainerMemoryQoS(node, policy, emit, enabled=enabled, disabled_reason=disabled_reason,
+                                      ownership=ownership)
+        self._emit = emit
+        self._enqueue = enqueue
+        self._rebuild = rebuild  # events of a Synchronize -> the reconciler's queue item
+        self._clock = clock
+        self.containers: dict[str, KnownContainer] = self.qos.containers
+        # sandbox id -> containers created and not stopped (for _running_beside)
+        self.running: dict[str, set[str]] = {}
+        self.runtime = ""
+        self.syncs = 0
+        self.errors = 0  # answers that failed open
+
+    @property
+    def ownership(self):
+        return self.qos.ownership
+
+    def set_ownership(self, ownership) -> None:
+        self.qos.set_ownership(ownership)
+
+    # -- the runtime's calls ---------------------------------------------------------------
+    def configure(self, request: pb.ConfigureRequest) -> None:
+        self.runtime = f"{request.runtime_name} {request.runtime_version}".strip()
+        self._emit({"event": "nri-configure", "mode": "nri", "runtime": self.runtime,
+                    "nri_version": request.NRI_version or None,
+                    "request_timeout_ms": request.request_timeout or None})
+
+    def create_container(self, pod: pb.PodSandbox, container: pb.Container) -> pb.ContainerAdjustment | None:
+        start = self._clock()
+        try:
+            adjust, unified, annotations, facts = self._create(pod, container)
+        except Exception as e:  # noqa: BLE001 - fail open: the container is created as asked
+            self._failed("CreateContainer", pod, container, e)
+            adjust, unified, annotations, facts = None, container.linux.resources.unified, container.annotations, None
+        done = self._clock()
+        self._event(lambda: nf.container_created(pod, container, unified, annotations, start, done, facts=facts))
+        self._running_beside(pod.id or container.pod_sandbox_id, container.id, done)
+        return adjust
+
+    def _running_beside(self, sandbox_id: str, cid: str, at: int) -> None:
+        """Every container of the pod created and not stopped is still running when ``cid`` is
+        created: said to the node state (``ContainerStatusSeen``, alive at ``at``), which tells
+        regular containers and sidecars (summed) from init containers that had finished (max),
+        what ContainerStatus polls tell in proxy mode. containerd relays StopContainer for a
+        container that exits by itself before its status says EXITED (the task's delete), so
+        before the kubelet can create the next container after it."""
+        running = self.running.setdefault(sandbox_id, set())
+        for other in sorted(running):
+            if other != cid:
+                self._put(nf.ContainerStatusSeen(other, 0, 0, False, at, at))
+        if len(running) < MAX_CONTAINERS_PER_POD:
+            running.add(cid)
+
+    def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer"):
+        qos = self.qos
+        facts = nf.pod_facts(pod, container)
+        kubelet = nf.container_facts(container)
+        unified: Mapping[str, str] = kubelet.unified
+        annotations: Mapping[str, str] = container.annotations
+        if not qos.enabled:
+            qos.rewrite_disabled()
+            return None, unified, annotations, (facts, kubelet)
+        owns = qos.kubelet_keys
+        decision = decide(facts, kubelet, qos.node, qos.policy, kubelet_owns=owns)
+        keys = adjustment_keys(decision, owns)
+        note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
+                              facts.cgroup_parent)
+        adjust = pb.ContainerAdjustment()
+        if keys:
+            target = adjust.linux.resources.unified
+            for key, value in keys.items():  # (a protobuf map's update() is the slow generic one)
+                target[key] = value
+        if annotations.get(CONTAINER_ANNOTATION) != note:
+            adjust.annotations[CONTAINER_ANNOTATION] = note
+        self.containers[container.id] = KnownContainer(container.pod_sandbox_id or pod.id, container.name, facts,
+                                                       decision.qos, decision.request)
+        self._emit({**self._base(method, pod, container), **qos.describe(decision, owns),
+                    "event": "rewrite" if keys else "unchanged", "adjust": keys})
+        return adjust, {**unified, **keys}, {**annotations, CONTAINER_ANNOTATION: note}, (facts, kubelet)
+
+    def update_container(self, pod: pb.PodSandbox, container: pb.Container,
+                         resources: pb.LinuxResources) -> Sequence[pb.ContainerUpdate]:
+        try:
+            update, unified = self._update(pod, container, resources)
+        except Exception as e:  # noqa: BLE001
+            self._failed("UpdateContainer", pod, container, e)
+            update, unified = (), resources.unified
+        self._event(lambda: nf.container_updated(container.id, unified, resources.unified, resources))
+        return update
+
+    def _update(self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources):
+        qos = self.qos
+        if not qos.enabled:
+            return (), resources.unified
+        known = self.containers.get(container.id)
+        facts = nf.update_facts(container, resources)
+        override = None
+        if known is not None:
+            kubelet_value = any(facts.unified.get(k, "0") not in ("", "0") for k in ("memory.min", "memory.low"))
+            if kubelet_value:
+                override = None  # the update carries a new source: discover again
+            elif known.qos is QoSClass.GUARANTEED and facts.limit > 0:
+                override = Request(facts.limit, RequestSource.GUARANTEED_LIMIT)
+            else:
+                override = known.request
+        owns = qos.kubelet_keys
+        decision = decide(nf.pod_facts(pod, container), facts, qos.node, qos.policy, override, reset_absent=True,
+                          kubelet_owns=owns)
+        keys = adjustment_keys(decision, owns)
+        self._emit({**self._base("UpdateContainer", pod, container), **qos.describe(decision, owns),
+                    "event": "rewrite" if keys else "unchanged", "adjust": keys,
+                    **({"request_remembered": True} if known is not None and override is known.request else {})})
+        if not keys:
+            return (), resources.unified
+        return [unified_update(container.id, keys)], {**resources.unified, **keys}
+
+    def update_pod_sandbox(self, pod: pb.PodSandbox, overhead: pb.LinuxResources,
+                           resources: pb.LinuxResources) -> None:
+        self._event(lambda: nf.update_pod_sandbox(pod, overhead))
+
+    def event(self, event: int, pod: pb.PodSandbox, container: pb.Container | None) -> None:
+        if event in (pb.STOP_CONTAINER, pb.REMOVE_CONTAINER) and container is not None:
+            self.running.get(pod.id or container.pod_sandbox_id, set()).discard(container.id)
+            if event == pb.REMOVE_CONTAINER:
+                self.containers.pop(container.id, None)
+        elif event == pb.REMOVE_POD_SANDBOX:
+            self.running.pop(pod.id, None)
+            for cid in [c for c, k in self.containers.items() if k.sandbox_id == pod.id]:
+                self.containers.pop(cid, None)
+        now = self._clock()
+        for e in self._safe(lambda: nf.lifecycle_events(event, pod, container, now)) or ():
+            self._put(e)
+
+    def synchronize(self, pods: Sequence[pb.PodSandbox],
+                    containers: Sequence[pb.Container]) -> Sequence[pb.ContainerUpdate]:
+        """The node state is rebuilt from what the runtime lists (queued before any later
+        event); containers created while we were away (no ``memqos.io/request`` annotation of
+        ours) get our values as updates. Containers we created are left alone: their values
+        may be the guard's (a relaxed memory.high) or the kubelet's since."""
+        self.syncs += 1
+        now = self._clock()
+        by_id = {p.id: p for p in pods}
+        events: list = []
+        updates: list = []
+        for p in pods:
+            started = self._safe(lambda: nf.sandbox_started(p))
+            if started is not None:
+                events.append(started)
+        for c in containers:
+            pod = by_id.get(c.pod_sandbox_id)
+            if pod is None:
+                continue
+            unified, annotations = c.linux.resources.unified, c.annotations
+            if CONTAINER_ANNOTATION in annotations:
+                self._safe(lambda: self._remember(pod, c))
+            elif c.state != pb.CONTAINER_STOPPED:
+                made = self._safe(lambda: self._create(pod, c, "Synchronize"), "Synchronize", pod, c)
+                if made is not None:
+                    adjust, unified, annotations, _ = made
+                    keys = dict(adjust.linux.resources.unified) if adjust is not None else {}
+                    if keys:
+                        updates.append(unified_update(c.id, keys))
+            for make in (lambda: nf.container_created(pod, c, unified, annotations, now, now),
+                         lambda: nf.container_seen(c, now, now)):
+                e = self._safe(make)
+                if e is not None:
+                    events.append(e)
+        listed = {c.id for c in containers}
+        for cid in [cid for cid in self.containers if cid not in listed]:  # removed while we were away
+            self.containers.pop(cid, None)
+        self.running = {}
+        for c in containers:
+            if c.state != pb.CONTAINER_STOPPED and c.pod_sandbox_id in by_id:
+                self.running.setdefault(c.pod_sandbox_id, set()).add(c.id)
+        if self._rebuild is not None:
+            self._put(self._rebuild(events))
+        self._emit({"event": "nri-synchronize", "mode": "nri", "pods": len(pods), "containers": len(containers),
+                    "updates": len(updates)})
+        return updates
+
+    def _remember(self, pod: pb.PodSandbox, c: pb.Container) -> None:
+        """A container we created before (our annotation says what was decided): remembered for
+        its resizes, as at its creation."""
+        note = parse_annotation(c.annotations)
+        if note is None or c.id in self.containers:
+            return
+        try:
+            source, qos = RequestSource(note.get("source", "")), QoSClass(note.get("qos", ""))
+        except ValueError:
+            return
+        self.containers[c.id] = KnownContainer(c.pod_sandbox_id or pod.id, c.name, nf.pod_facts(pod, c), qos,
+                                               Request(int(note["bytes"]), source))
+
+    def disconnected(self, reason: str) -> None:
+        self._emit({"event": "nri-disconnected", "mode": "nri", "reason": reason[:500]})
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _base(self, method: str, pod: pb.PodSandbox, container: pb.Container) -> dict:
+        return {"method": method, "mode": "nri", "pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid,
+                "container": container.name, "container_id": container.id,
+                "sandbox_id": container.pod_sandbox_id or pod.id}
+
+    def _failed(self, method: str, pod: Any, container: Any, e: Exception) -> None:
+        self.errors += 1
+        log.exception("policy error on NRI %s; answering with no adjustment", method)
+        record = {"event": "fail-open", "method": method, "mode": "nri",
+                  "error": f"{e.__class__.__name__}: {e}"[:500]}
+        try:
+            record.update(self._base(method, pod, container), event="fail-open")
+        except Exception:  # noqa: BLE001 - the record goes out with what is known
+            pass
+        self._emit(record)
+
+    def _safe(self, fn: Callable[[], Any], method: str = "", pod: Any = None, container: Any = None):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            if method:
+                self._failed(method, pod, container, e)
+            else:
+                self.errors += 1
+                log.exception("NRI: cannot make a node event")
+            return None
+
+    def _event(self, make: Callable[[], Any]) -> None:
+        e = self._safe(make)
+        if e is not None:
+            self._put(e)
+
+    def _put(self, item: Any) -> None:
+        if self._enqueue is not None:
+            self._enqueue(item)
+
