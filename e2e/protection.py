@@ -154,16 +154,23 @@ def gap_stats(samples: list[Sample], bound: float = GAP_BOUND) -> dict:
 # -- reading the cgroup tree ----------------------------------------------------------------------
 def _read_int(path: str) -> int | None:
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        text = os.read(fd, 64).strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return int(text) if text.isdigit() else None
 
 
 def _subdirs(path: str) -> list[str]:
+    """Child cgroups: every interface file of cgroup v2 has a dot in its name, no cgroup here
+    has one (pod<uid>, container and sandbox ids, burstable), and listdir needs no stat."""
     try:
-        return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+        return [n for n in os.listdir(path) if "." not in n]
     except OSError:
         return []
 
