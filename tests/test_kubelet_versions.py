@@ -291,7 +291,10 @@ PROTECTION_KUBELET = {**dict.fromkeys((CONTAINER_PROTECTION, POD, QOS, KUBEPODS,
     ((1, 37), {**TIERED, "memoryThrottlingFactor": 0.9}, Policy.SOFT, dict.fromkeys(ALL_SHIM, KUBELET)),
     ((1, 36), GATE_ON, Policy.HARD, {**ALL_SHIM, CONTAINER_HIGH: KUBELET}),  # v1.36 factor default 0.9
     ((1, 36), {}, Policy.TIERED_RESERVATION, ALL_SHIM),
-    ((1, 23), {**GATE_ON, "memoryThrottlingFactor": 0.8}, Policy.HARD, ALL_SHIM),  # agree value for value
+    # a 1.22-1.35 kubelet with the gate on writes pod / QoS / node memory.min itself: left to it
+    # whatever the shim's policy; the container keys stay the shim's
+    ((1, 23), {**GATE_ON, "memoryThrottlingFactor": 0.8}, Policy.HARD,
+     {CONTAINER_PROTECTION: SHIM, CONTAINER_HIGH: SHIM, **dict.fromkeys((POD, QOS, KUBEPODS, RESERVED), KUBELET)}),
     ((1, 23), GATE_ON, Policy.TIERED_RESERVATION,
      {CONTAINER_PROTECTION: SHIM, CONTAINER_HIGH: SHIM, **dict.fromkeys((POD, QOS, KUBEPODS, RESERVED), KUBELET)}),
     ((1, 23), {}, Policy.SOFT, ALL_SHIM),

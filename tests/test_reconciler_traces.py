@@ -7,8 +7,9 @@ kubelet made, including the kubelet's ContainerStatus polls that showed the init
 `multi` exited before `a` was created.
 
 memqos-on: the kubelet sent each request in unified memory.min, so every request is known
-exactly and the values must equal the kubelet's own pod / burstable / kubepods values in
-*.cgroups.txt. memqos-off: Burstable requests are only known as oom_score_adj lower bounds;
+exactly and the shim's model of the values must equal the kubelet's own pod / burstable /
+kubepods values in *.cgroups.txt; that kubelet writes them itself, so the reconciler writes
+none of them (shim.node.kubelet.ownership). memqos-off: Burstable requests are only known as oom_score_adj lower bounds;
 the values must be the sums of those bounds, never above the true values.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from shim.cri import pb
 from shim.cri.methods import CRI_METHODS
 from shim.effects import CgroupLayout
 from shim.evidence.trace import read_trace
-from shim.node.reconciler import Reconciler
+from shim.node.reconciler import Reconciler, compute_targets
 from shim.tools.replay import drive, replay_settings
 from shim.app.service import build_container_qos, build_request_hooks
 from shim.testing.trace_runtime import TraceRuntime
@@ -81,10 +82,16 @@ def replay_through_proxy(tmp_path: Path, trace_path: Path):
     hooks = build_request_hooks(qos, [reconciler.observer])
     snapshots: dict[str, dict] = {}
 
+    def model() -> dict[str, int]:
+        """The pod / QoS / kubepods memory.min the shim's model gives, owner aside."""
+        targets, _ = compute_targets(reconciler.state, layout, settings.policy, settings.node.page_size)
+        return {path: t.value for (path, file), t in targets.items() if file == "memory.min"}
+
     def before(call) -> None:
         if call.method == STOP_CONTAINER and "steady" not in snapshots:
             assert reconciler.sync(10)
             snapshots["steady"] = tree.values()
+            snapshots["model_steady"] = model()
             snapshots["kinds"] = {
                 p.name.rsplit("-virtme-ng", 1)[0]: {c.name: reconciler.state.request(p).kinds[c.id]
                                                     for c in p.containers.values()}
@@ -110,9 +117,11 @@ def replay_through_proxy(tmp_path: Path, trace_path: Path):
         loop.close()
         assert reconciler.sync(10)
         snapshots["end"] = tree.values()
+        snapshots["model_end"] = model()
         reconciler.stop()
     assert not [o for o in outcomes if o.problem()]
     assert not [r for r in records if r["event"] in ("reconciler-error", "cgroup-refused")], records
+    replay_through_proxy.models = (snapshots["model_steady"], snapshots["model_end"])
     return tree, snapshots["steady"], snapshots["end"], pods, snapshots["kinds"], records
 
 
@@ -122,15 +131,20 @@ def mins(values: dict) -> dict[str, int]:
 
 def test_memqos_on_trace_matches_the_kubelets_own_values(tmp_path):
     tree, steady, end, pods, kinds, records = replay_through_proxy(tmp_path, ON)
-    assert mins(steady)[pods["multi"]] == 32 * MI  # max(16Mi init, 24Mi + 8Mi)
+    model_steady, model_end = replay_through_proxy.models
+    # that kubelet writes pod / QoS / kubepods memory.min itself: the reconciler writes none of it
+    assert not [r for r in records if r["event"] == "cgroup-write"], records
+    assert not tree.nonzero()
+    # the shim's model of those values agrees with the kubelet's, value for value
+    assert model_steady[pods["multi"]] == 32 * MI  # max(16Mi init, 24Mi + 8Mi)
     kubelet_steady, kubelet_removed, _ = kubelet_cgroups(data_file(MEMQOS_ON + ".cgroups.txt"))
-    assert mins(steady) == {k: v for k, v in kubelet_steady.items() if k in mins(steady)}
-    assert mins(steady)["kubepods/burstable"] == 192 * MI and mins(steady)["kubepods"] == 256 * MI
-    got_end = {k: v for k, v in mins(end).items() if k in kubelet_removed}
+    assert model_steady == {k: v for k, v in kubelet_steady.items() if k in model_steady}
+    assert model_steady["kubepods/burstable"] == 192 * MI and model_steady["kubepods"] == 256 * MI
+    got_end = {k: v for k, v in model_end.items() if k in kubelet_removed}
     assert got_end == kubelet_removed  # 160Mi / 224Mi once qos-besteffort and multi are gone
-    assert mins(end)[pods["multi"]] == 0
+    assert pods["multi"] not in model_end
     for name, path in pods.items():
-        assert mins(steady)[path] == TRUE[name]
+        assert model_steady[path] == TRUE[name]
     # learned from the kubelet's own ContainerStatus polls: init had exited before a was created
     assert kinds["multi"] == {"init": "init", "a": "regular", "b": "regular"}
 

@@ -28,6 +28,16 @@ class Target:
     value: int
     level: int
     why: str
+    # what shim.decision.protection needs to keep protection in force: the pod a pod-level file
+    # belongs to, whether the file is the one the policy protects with (a pod's protecting
+    # file, or a QoS / kubepods sum), and for a sum the pods of the classes it sums
+    pod: str = ""
+    protecting: bool = False
+    members: frozenset[str] = frozenset()
+    # set by shim.decision.protection: why a value was kept above the computed one, and the
+    # departures that let a value in force go down (both audited with the write)
+    held: str = ""
+    departure: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,14 +102,18 @@ def node_targets(
 
     targets: dict[tuple[str, str], Target] = {}
 
-    def put(path: str | None, file: str, value: int, level: int, why: str, scope: str) -> None:
+    def put(path: str | None, file: str, value: int, level: int, why: str, scope: str, *, pod: str = "",
+            protecting: bool = False, members: frozenset[str] = frozenset()) -> None:
         if path is not None and scope not in kubelet_owns:
-            targets[(path, file)] = Target(path, file, (value // page) * page, level, why)
+            targets[(path, file)] = Target(path, file, (value // page) * page, level, why, pod, protecting, members)
 
-    def put_both(path: str | None, level: int, why: str, scope: str) -> None:
-        put(path, MIN, 0, level, why, scope)
-        put(path, LOW, 0, level, why, scope)
+    def put_both(path: str | None, level: int, why: str, scope: str, *, pod: str = "", key: str | None = None) -> None:
+        put(path, MIN, 0, level, why, scope, pod=pod, protecting=key == MIN)
+        put(path, LOW, 0, level, why, scope, pod=pod, protecting=key == LOW)
 
+    # the pods each sum is made of (contributing or not: a stopped pod is still a member)
+    gm = frozenset(p.pod.uid for p in pods if p.qos is QoSClass.GUARANTEED)
+    bm = frozenset(p.pod.uid for p in pods if p.qos is QoSClass.BURSTABLE)
     name = policy.value
     g, b = sums[QoSClass.GUARANTEED], sums[QoSClass.BURSTABLE]
     ng, nb = counts[QoSClass.GUARANTEED], counts[QoSClass.BURSTABLE]
@@ -112,35 +126,38 @@ def node_targets(
             put_both(path, QOS, "policy None", "qos")
     elif policy is Policy.TIERED_RESERVATION:
         put(kp, MIN, g, NODE, f"kubepods: {ng} Guaranteed pods' requests sum to {describe_bytes(g)} "
-                              "(policy TieredReservation)", "kubepods")
-        put(kp, LOW, g + b, NODE, f"{all_sum} (policy TieredReservation)", "kubepods")
+                              "(policy TieredReservation)", "kubepods", protecting=True, members=gm)
+        put(kp, LOW, g + b, NODE, f"{all_sum} (policy TieredReservation)", "kubepods", protecting=True,
+            members=gm | bm)
         put(bq, MIN, 0, QOS, "policy TieredReservation protects Burstable pods with memory.low", "qos")
-        put(bq, LOW, b, QOS, f"{b_sum} (policy TieredReservation)", "qos")
+        put(bq, LOW, b, QOS, f"{b_sum} (policy TieredReservation)", "qos", protecting=True, members=bm)
     else:
         key, other = (MIN, LOW) if policy is Policy.HARD else (LOW, MIN)
-        put(kp, key, g + b, NODE, f"{all_sum} (policy {name})", "kubepods")
+        put(kp, key, g + b, NODE, f"{all_sum} (policy {name})", "kubepods", protecting=True, members=gm | bm)
         put(kp, other, 0, NODE, f"policy {name} protects with {key}", "kubepods")
-        put(bq, key, b, QOS, f"{b_sum} (policy {name})", "qos")
+        put(bq, key, b, QOS, f"{b_sum} (policy {name})", "qos", protecting=True, members=bm)
         put(bq, other, 0, QOS, f"policy {name} protects with {key}", "qos")
     if policy is not Policy.NONE:
         put_both(beq, QOS, "BestEffort pods have no requests", "qos")
     for pod, qos, path, req in pods:
         who = f"pod {pod.label()} ({qos.value})"
+        uid = pod.uid
+        key = protection_key(policy, qos)  # None: the policy protects this pod with nothing
         if policy is Policy.NONE:
-            put_both(path, POD, f"{who}: policy None", "pod")
+            put_both(path, POD, f"{who}: policy None", "pod", pod=uid)
             continue
         if not pod.active:
-            put_both(path, POD, f"{who}: sandbox stopped", "pod")
+            put_both(path, POD, f"{who}: sandbox stopped", "pod", pod=uid)  # not running: nothing to keep
             continue
         if req is None:
-            put_both(path, POD, f"{who}: no requests", "pod")
+            put_both(path, POD, f"{who}: no requests", "pod", pod=uid, key=key)
             continue
         names = {c.id: c.name for c in pod.containers.values()}
         why = f"{who}: request {describe_bytes(req.bytes)} = {req.explain(names)}"
-        key = protection_key(policy, qos) or MIN
+        key = key or MIN
         other = LOW if key == MIN else MIN
-        put(path, key, req.bytes, POD, f"{why} (policy {name})", "pod")
-        put(path, other, 0, POD, f"{who}: protected by {key} (policy {name})", "pod")
+        put(path, key, req.bytes, POD, f"{why} (policy {name})", "pod", pod=uid, protecting=True)
+        put(path, other, 0, POD, f"{who}: protected by {key} (policy {name})", "pod", pod=uid)
     for r in reserved:
         none = policy is Policy.NONE
         put(r.path, MIN, 0 if none else r.bytes, NODE,

@@ -113,6 +113,13 @@ class _LiveCollector:
             resyncs = CounterMetricFamily("memqos_reconciler_resyncs", "completed reconciler resyncs with the runtime")
             resyncs.add_metric([], float(getattr(rec, "resyncs", 0)))
             yield resyncs
+            state = getattr(rec, "state", None)
+            if state is not None:
+                dropped = CounterMetricFamily(
+                    "memqos_reconciler_departures_dropped",
+                    "pod departures not kept (too many before a reconciler pass): every pod was then taken as departed")
+                dropped.add_metric([], float(getattr(state, "departures_dropped", 0)))
+                yield dropped
         mon = m.monitor
         if mon is None:
             return

@@ -247,10 +247,12 @@ class Ownership:
     The rule: a value the kubelet is configured to write (a v1.36+ kubelet with the gate on and
     a memoryReservationPolicy other than None, or a memoryThrottlingFactor) is the kubelet's: the
     shim forwards the kubelet's unified keys unchanged and does not write those pod / QoS / node
-    files. Before v1.36 a kubelet with the gate on writes memory.min = request everywhere: the shim
-    agrees value for value at pod / QoS / node level with policy Hard and stands aside with any
-    other policy; container keys stay the shim's (its proxy is the last writer of unified, the
-    kubelet never writes container cgroups itself, and the shim replaces the v1.22 formula)."""
+    files. Before v1.36 a kubelet with the gate on writes memory.min = request everywhere, the
+    pod's at sandbox creation: the shim stands aside at pod / QoS / node level with every policy
+    (the shim learns a pod's request container by container, so its own value would trail the
+    kubelet's while a pod starts); container keys stay the shim's (its proxy is the last writer
+    of unified, the kubelet never writes container cgroups itself, and the shim replaces the
+    v1.22 formula)."""
 
     owners: dict[str, str]
     reasons: dict[str, str]
@@ -316,10 +318,7 @@ def ownership(writes: KubeletWrites, policy: Policy) -> Ownership:
                               "value replaces it in unified")
     for what in (POD, QOS, KUBEPODS, RESERVED):
         value = "the reservation" if what == RESERVED else "the request sums"
-        if policy is Policy.HARD:
-            put(what, SHIM, f"kubelet before v1.36 with the gate on writes memory.min = {value} here; the shim's "
-                            "policy Hard writes the same values (agree value for value)")
-        else:
-            put(what, KUBELET, f"kubelet before v1.36 with the gate on writes memory.min = {value} here; "
-                               f"{shim_says} would differ, so the shim stands aside")
+        put(what, KUBELET, f"kubelet before v1.36 with the gate on writes memory.min = {value} here itself (a pod's "
+                           "at sandbox creation, before any container exists): the shim stands aside, whatever its "
+                           "policy, so it never writes a value of its own over the kubelet's")
     return Ownership(owners, reasons, writes)

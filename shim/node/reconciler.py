@@ -30,6 +30,7 @@ from typing import Callable
 
 from shim.decision import Policy, QoSClass
 from shim.decision.node import POD, PlacedPod, Reserved, Target, node_targets
+from shim.decision.protection import keep_protection
 from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
@@ -42,6 +43,7 @@ from shim.worker import Worker
 log = logging.getLogger(__name__)
 
 RETRY_INTERVAL = 2.0  # while the first rebuild from the runtime has not succeeded
+_REFUSED = object()  # a path the cgroup writer refused (already reported)
 
 
 def compute_targets(
@@ -164,6 +166,8 @@ class Reconciler(Worker):
         self.resyncs = 0  # completed resyncs (tests, metrics)
         self.known: dict[tuple[str, str], int] = {}  # what each file held after our last look
         self.written: dict[tuple[str, str], int] = {}  # non-zero values this process wrote -> level
+        self.pod_files: dict[tuple[str, str], str] = {}  # pod-level files of the last pass -> pod uid
+        self.kept = False  # a pass has kept protection in force since start (the first one floors no sum)
         self._refused: set[str] = set()
         self._next_at = 0.0  # the next periodic resync (time.monotonic())
 
@@ -370,51 +374,80 @@ class Reconciler(Worker):
             return "reserved" in self.kubelet_scopes
         return "pod" in self.kubelet_scopes
 
+    def _look(self, t: Target):
+        """What t's file holds: bytes (-1 unreadable), None (no such cgroup or file), or _REFUSED."""
+        try:
+            text = self.fs.read(t.path, t.file)
+        except PathRefused as e:
+            self._refuse(f"path/{t.path}", f"{t.why}: {e}")
+            return _REFUSED
+        if text is None:
+            return None
+        try:
+            return parse_value(text)
+        except ValueError:
+            return -1
+
     def _reconcile(self, reason: str, full: bool) -> int:
-        """Bring every managed file to its target. Returns the number of writes."""
+        """Bring every managed file to its target, keeping protection in force
+        (shim.decision.protection). Returns the number of writes."""
         if not self.recovered or not self._check_tree():
             return 0
         targets = self.targets()
         for key, level in self.written.items():
             if key not in targets and not (self.kubelet_scopes and self._kubelet_path(key[0])):
-                targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone")
+                targets[key] = Target(key[0], key[1], 0, level, "no longer managed: the pod is gone",
+                                      pod=self.pod_files.get(key, ""))
+        # the values in force: what the shim last wrote or saw, else what the file holds now
+        looked: dict = {}
+        in_force: dict[tuple[str, str], int] = {}
+        for key, t in targets.items():
+            if full or key not in self.known:
+                looked[key] = self._look(t)
+            if key in self.known:
+                in_force[key] = self.known[key]
+            elif isinstance(looked[key], int) and looked[key] >= 0:
+                in_force[key] = looked[key]
+        departures = self.state.take_departures()
+        targets = keep_protection(targets, in_force, departures, self.capacity, self.page_size,
+                                  start=not self.kept and self.client is not None)
+        self.kept = True
+        self.pod_files = {k: t.pod for k, t in targets.items() if t.pod}
         if full:  # forget cgroups no longer managed (pods long gone)
             self.known = {k: v for k, v in self.known.items() if k in targets}
         plan = []
         for key, t in targets.items():
-            if not full and self.known.get(key) == t.value:
+            if key in looked:
+                current = looked[key]
+            elif self.known.get(key) == t.value:
                 continue
-            try:
-                text = self.fs.read(t.path, t.file)
-            except PathRefused as e:
-                self._refuse(f"path/{t.path}", f"{t.why}: {e}")
+            else:
+                current = self._look(t)
+            if current is _REFUSED:
                 continue
-            if text is None:  # the cgroup does not exist (yet, or any more)
+            if current is None:  # the cgroup does not exist (yet, or any more)
                 self.known.pop(key, None)
                 if t.level == POD and t.value == 0:
                     self.written.pop(key, None)
                 continue
-            try:
-                current = parse_value(text)
-            except ValueError:
-                current = -1
             if current == t.value:
                 self.known[key] = t.value
                 continue
-            up = current is not None and t.value > current
+            up = t.value > current
             drift = key in self.known and self.known[key] == t.value
             plan.append((t, up, drift))
         ups = sorted((p for p in plan if p[1]), key=lambda p: (p[0].level, p[0].path, p[0].file))
         downs = sorted((p for p in plan if not p[1]), key=lambda p: (-p[0].level, p[0].path, p[0].file))
-        writes = 0
+        writes, failed = 0, False
         for t, up, drift in ups + downs:
             key = (t.path, t.file)
             why = t.why
             if drift:
                 why += f"; drift repaired: someone changed it after the shim set {t.value}"
+            extra = {"trigger": reason, **({"held": t.held} if t.held else {}),
+                     **({"departure": t.departure} if t.departure and not up else {})}
             try:
-                w = self.fs.write(t.path, t.file, t.value, why, level=t.level, drift=drift,
-                                  extra={"trigger": reason})
+                w = self.fs.write(t.path, t.file, t.value, why, level=t.level, drift=drift, extra=extra)
             except PathRefused as e:
                 self._refuse(f"path/{t.path}", f"{t.why}: {e}")
                 continue
@@ -423,6 +456,7 @@ class Reconciler(Worker):
                 continue
             except OSError as e:
                 self._error(f"write/{t.path}/{t.file}", f"writing {t.value} to {t.path}/{t.file}: {e}")
+                failed = True
                 continue
             writes += w is not None
             self.known[key] = t.value
@@ -430,6 +464,8 @@ class Reconciler(Worker):
                 self.written[key] = t.level
             else:
                 self.written.pop(key, None)
+        if failed:  # a value that should have gone down may still be up: keep its departures
+            self.state.restore_departures(departures)
         return writes
 
 

@@ -8,6 +8,11 @@ runs on the reconciler's thread; nothing here is on the CRI path.
 Each observed call is applied as its event (``shim.cri.events``), one method per event type.
 The pod's memory request is the kubelet's rule, ``shim.decision.pod.pod_request``, applied to
 the containers kept here.
+
+Departures -- a container removed, a sandbox stopped or removed, a pod or container gone from
+the runtime's listing, a request or the overhead lowered by an update -- are kept by pod uid
+until the reconciler takes them (``take_departures``): only those let a pod's protection in
+force go down (``shim.decision.protection``).
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from shim.cri.events import (
 from shim.decision import QoSClass, parse_cgroup_parent
 from shim.decision.pod import PodRequest, container_request, derive_request, pod_request, request_from_unified
 from shim.transport.hooks import RpcCall
+
+MAX_DEPARTED_PODS = 4096  # pods with departures not yet taken (the reconciler takes them every pass)
+MAX_REASONS = 8  # reasons kept per pod
 
 
 @dataclass
@@ -130,6 +138,40 @@ class NodeState:
         self.container_pod: dict[str, str] = {}
         self._order = 0
         self.snap_gen = 0  # number of the last runtime listing applied
+        self.departures: dict[str, list[str]] = {}  # pod uid -> why, since the reconciler last took them
+        self.departures_dropped = 0  # departures not kept (MAX_DEPARTED_PODS reached): a counter
+        self._overflow = False  # some were not kept since the last take
+
+    # -- departures
+    def depart(self, uid: str, why: str) -> None:
+        """Note that something of pod ``uid`` left (bounded: MAX_DEPARTED_PODS, MAX_REASONS)."""
+        reasons = self.departures.get(uid)
+        if reasons is None:
+            if len(self.departures) >= MAX_DEPARTED_PODS:
+                self.departures_dropped += 1
+                self._overflow = True
+                return
+            reasons = self.departures[uid] = []
+        if len(reasons) < MAX_REASONS and why not in reasons:
+            reasons.append(why)
+
+    def take_departures(self) -> dict[str, tuple[str, ...]]:
+        """The departures since the last take (pod uid -> why), and forget them. When some were
+        not kept (the bound), every pod known is taken as departed: its value may go down to the
+        computed one, rather than a departure lost keeping a value up for good."""
+        out = {uid: tuple(r) for uid, r in self.departures.items()}
+        if self._overflow:
+            why = f"more than {MAX_DEPARTED_PODS} pods had departures before the reconciler's pass"
+            for uid in self.pods:
+                out.setdefault(uid, (why,))
+        self.departures, self._overflow = {}, False
+        return out
+
+    def restore_departures(self, departures: Mapping[str, tuple[str, ...]]) -> None:
+        """Put taken departures back (their pass could not write every value down)."""
+        for uid, reasons in departures.items():
+            for why in reasons:
+                self.depart(uid, why)
 
     # -- queries
     def container(self, cid: str) -> ContainerRecord | None:
@@ -173,7 +215,9 @@ class NodeState:
         uid = self.container_pod.pop(cid, None)
         if uid is None or uid not in self.pods:
             return False
-        self.pods[uid].containers.pop(cid, None)
+        pod = self.pods[uid]
+        c = pod.containers.pop(cid, None)
+        self.depart(uid, f"pod {pod.label()}: container {c.name if c else cid[:12]} removed")
         self._gc(uid)
         return True
 
@@ -182,6 +226,7 @@ class NodeState:
         if pod is None or sid not in pod.sandboxes or not pod.sandboxes[sid].ready:
             return False
         pod.sandboxes[sid].ready = False
+        self.depart(pod.uid, f"pod {pod.label()}: sandbox stopped")
         return True
 
     def remove_sandbox(self, sid: str) -> bool:
@@ -189,6 +234,7 @@ class NodeState:
         if uid is None or uid not in self.pods:
             return False
         pod = self.pods[uid]
+        self.depart(uid, f"pod {pod.label()}: sandbox removed")
         pod.sandboxes.pop(sid, None)
         for cid in [c.id for c in pod.containers.values() if c.sandbox_id == sid]:
             pod.containers.pop(cid, None)
@@ -252,6 +298,9 @@ class NodeState:
             v, src = e.limit, "update:guaranteed-limit"
         if v is None or v == c.request:
             return False, None
+        if v < c.request:
+            self.depart(pod.uid, f"pod {pod.label()}: container {c.name} request lowered by UpdateContainerResources "
+                                 f"({c.request} -> {v})")
         c.request, c.source = v, src
         return True, None
 
@@ -262,6 +311,9 @@ class NodeState:
         sb = pod.sandboxes[e.sandbox_id]
         if e.overhead == sb.overhead:
             return False, None
+        if e.overhead < sb.overhead:
+            self.depart(pod.uid, f"pod {pod.label()}: overhead lowered by UpdatePodSandboxResources "
+                                 f"({sb.overhead} -> {e.overhead})")
         sb.overhead = e.overhead
         return True, None
 
@@ -315,9 +367,23 @@ class NodeState:
                 continue  # its sandbox is gone: the container goes with it
             cr.order = 0
             new.add_container(pod, cr)
+        self._listing_departures(new)
         self.sandbox_pod, self.container_pod, self._order = new.sandbox_pod, new.container_pod, new._order
         self.snap_gen = new.snap_gen
         self.pods = new.pods
+
+    def _listing_departures(self, new: "NodeState") -> None:
+        """What a runtime listing no longer shows: pods, containers, ready sandboxes."""
+        for uid, pod in self.pods.items():
+            now = new.pods.get(uid)
+            if now is None:
+                self.depart(uid, f"pod {pod.label()}: gone from the runtime listing")
+                continue
+            for cid, c in pod.containers.items():
+                if cid not in now.containers:
+                    self.depart(uid, f"pod {pod.label()}: container {c.name} gone from the runtime listing")
+            if pod.active and not now.active:
+                self.depart(uid, f"pod {pod.label()}: sandbox not ready in the runtime listing")
 
 
 @dataclass
