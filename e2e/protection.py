@@ -123,8 +123,9 @@ def decreases(samples: list[Sample], grace: float = GRACE) -> list[Decrease]:
                 else:
                     why = [f"{pod} ({what}, {cur.t - t:.1f}s before)" for t, pod, what in left
                            if covers(path, pod) and t >= since[key] and cur.t - t <= grace]
-                    if why:
-                        out.append(Decrease(path, file, old, new, t_old, cur.t, cur.phase, True, "left: " + "; ".join(why)))
+                    if why:  # the latest departure, and how many more
+                        more = f" and {len(why) - 1} more" if len(why) > 1 else ""
+                        out.append(Decrease(path, file, old, new, t_old, cur.t, cur.phase, True, f"left: {why[-1]}{more}"))
                     else:
                         out.append(Decrease(path, file, old, new, t_old, cur.t, cur.phase, False,
                                             f"no pod below {path} left since the value was set "
@@ -451,6 +452,8 @@ class Protection:
 
     # replay hooks (pod worker threads)
     def before_call(self, method: str, req) -> None:
+        if method in ("StopContainer", "StopPodSandbox", "RemoveContainer", "RemovePodSandbox"):
+            self.sampler.phase = "remove"
         if method == "RunPodSandbox" and self.kubelet:
             self.kubelet.before_sandbox(req.config.metadata.uid)
         elif method in ("StopContainer", "RemoveContainer"):
