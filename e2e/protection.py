@@ -80,17 +80,17 @@ def covers(value_path: str, pod_path: str) -> bool:
     return pod_path == value_path or pod_path.startswith(value_path.rstrip("/") + "/")
 
 
-def departures(prev: Sample, cur: Sample) -> dict[str, str]:
-    """pod path -> what left between two samples."""
+def departures(prev: Sample | None, cur: Sample) -> dict[str, str]:
+    """pod path -> what left between two samples (before the first: only what it names)."""
     out: dict[str, str] = {}
-    for pod, children in prev.members.items():
+    for pod, children in (prev.members if prev is not None else {}).items():
         now = cur.members.get(pod)
         if now is None:
             out[pod] = "pod cgroup gone"
         elif children - now:
             out[pod] = "gone: " + ", ".join(sorted(c[:12] for c in children - now))
     for pod in cur.departed:
-        out.setdefault(pod, "Stop/Remove call sent")
+        out.setdefault(pod, "Stop/Remove call sent" if prev is not None else "left before sampling began")
     return out
 
 
@@ -103,9 +103,8 @@ def decreases(samples: list[Sample], grace: float = GRACE) -> list[Decrease]:
     left: list[tuple[float, str, str]] = []  # (time, pod path, what)
     prev = None
     for cur in samples:
-        if prev is not None:
-            for pod, what in departures(prev, cur).items():
-                left.append((cur.t, pod, what))
+        for pod, what in departures(prev, cur).items():
+            left.append((cur.t, pod, what))
         for key in [k for k in known if k not in cur.values]:  # the cgroup is gone
             del known[key], since[key]
         for key, new in cur.values.items():
@@ -220,6 +219,12 @@ class Sampler:
         self.error = ""
 
     def start(self) -> None:
+        """A kubepods tree already there was left by an earlier scenario whose pods the runtime
+        could not remove (a runtime hang, in the report): its cgroups' values were set for pods
+        that left before sampling began, so a decrease of them is a departure's."""
+        values, _members = read_tree(self.root)
+        with self._lock:
+            self._departed.update(path for path, _file in values)
         self.take()
         self._thread.start()
 
@@ -446,6 +451,10 @@ class Protection:
         self._after = rep.after_call
         rep.after_call = self.after_call
         self.sampler.phase = "create"
+        if os.path.isdir(os.path.join(CGROOT, "kubepods")):
+            scenario.report.data.setdefault("observations", []).append(
+                f"{self.name}: sampling began with a kubepods tree left by an earlier scenario (see runtime_hangs): "
+                "its values count as set for pods that had left")
         self.sampler.start()
         if self.kubelet:
             self.kubelet.admit_all()

@@ -366,6 +366,8 @@ def test_sampling_gap_stats():
 
 
 def test_sampler_reads_a_cgroupfs_tree(tmp_path):
+    import time
+
     import protection as P
 
     def put(rel, mn, low="0"):
@@ -374,6 +376,8 @@ def test_sampler_reads_a_cgroupfs_tree(tmp_path):
         (d / "memory.min").write_text(mn + "\n")
         (d / "memory.low").write_text(low + "\n")
 
+    s = P.Sampler(root=str(tmp_path), interval=0.01)
+    s.start()  # before kubepods exists, as in the guest
     put("kubepods", "100")
     put("kubepods/burstable", "60")
     put("kubepods/besteffort", "0")
@@ -385,12 +389,14 @@ def test_sampler_reads_a_cgroupfs_tree(tmp_path):
     assert values[("/kubepods", "memory.min")] == 100 and values[("/kubepods/burstable/podx", "memory.low")] == 7
     assert values[("/kubepods/podg", "memory.min")] == 40
     assert members == {"/kubepods/burstable/podx": frozenset({"sandbox1"}), "/kubepods/podg": frozenset({"c1"})}
-    s = P.Sampler(root=str(tmp_path), interval=0.01)
-    s.start()
+    deadline = time.time() + 5
+    while not any(smp.members == members for smp in s.samples):
+        assert time.time() < deadline
+        time.sleep(0.01)
     (tmp_path / "kubepods/burstable/podx/memory.min").write_text("0\n")
-    deadline = __import__("time").time() + 5
     while not any(smp.values.get(("/kubepods/burstable/podx", "memory.min")) == 0 for smp in s.samples):
-        assert __import__("time").time() < deadline
+        assert time.time() < deadline
+        time.sleep(0.01)
     s.stop()
     assert [(d.path, d.old, d.new) for d in P.find_drops(s.samples)] == [("/kubepods/burstable/podx", 60, 0)]
 
@@ -457,3 +463,28 @@ def test_call_gate_pauses_new_calls_and_waits_for_those_in_flight():
     t1.join(5)
     t2.join(5)
     assert order == ["first in", "first out", "paused", "resume", "second in", "second out"]
+
+
+def test_sampling_check_values_left_over_from_before_sampling(tmp_path):
+    """A kubepods tree already there when sampling begins (an earlier scenario's pods the runtime
+    could not remove) holds values for pods that left unseen: lowering them is a departure's.
+    A tree that appears after the start gets no such allowance."""
+    import protection as P
+
+    samples = [_sample(0.0, _levels(), departed=[POD_A, POD_B, "/kubepods/burstable", "/kubepods"]),
+               _sample(0.1, _levels(a=0, burst=32, kube=32))]
+    assert P.find_drops(samples) == []
+    assert all("left before sampling began" in d.reason for d in P.decreases(samples))
+    for rel, value in (("kubepods", "64"), ("kubepods/burstable", "64"), ("kubepods/burstable/poda", "32")):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "memory.min").write_text(value + "\n")
+    s = P.Sampler(root=str(tmp_path), interval=3600)
+    s.start()
+    (tmp_path / "kubepods/burstable/memory.min").write_text("32\n")
+    s.stop()
+    assert s.samples[0].departed == {"/kubepods", "/kubepods/burstable", "/kubepods/burstable/poda"}
+    assert P.find_drops(s.samples) == [] and len(P.decreases(s.samples)) == 1
+    fresh = P.Sampler(root=str(tmp_path / "none"), interval=3600)
+    fresh.start()
+    fresh.stop()
+    assert fresh.samples[0].departed == frozenset()
