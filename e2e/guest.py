@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, CHECKOUT)
 
 import expect as X  # noqa: E402  (e2e/expect.py: independent arithmetic)
+import protection as P  # noqa: E402  (e2e/protection.py: the sampling check)
 
 CGROOT = "/sys/fs/cgroup"
 RUN = "/run/e2e"
@@ -321,6 +323,8 @@ class Replayer:
         self.lock = threading.Lock()
         self.sent: list[dict] = []
         self.after_call = None  # (method, request, response) -> None, in the pod's worker thread
+        self.before_call = None  # (method, request) -> None, in the pod's worker thread, before sending
+        self.gate = contextlib.nullcontext()  # held around each call (protection.CallGate pauses them)
 
     def _prepare_host(self, name: str, req) -> None:
         """Create what the kubelet had created on its node before the call: the pod log
@@ -348,9 +352,12 @@ class Replayer:
             idmap = dict(self.idmap)
         mapped = substitute_ids(req, idmap)
         self._prepare_host(name, req)
+        if self.before_call is not None:
+            self.before_call(name, req)
         t = time.time()
         try:
-            data = self.cri.raw(c["method"], req.SerializeToString())
+            with self.gate:
+                data = self.cri.raw(c["method"], req.SerializeToString())
         except self.cri.grpc.RpcError as e:
             raise InfraError(f"replayed {name} (trace seq {c['seq']}) failed: {e.code().name}: {e.details()}") from None
         resp = getattr(pb, name + "Response").FromString(data)
@@ -563,6 +570,7 @@ class Scenario:
         self.started_init: dict[str, bool] = {}
         self.direct = Cri(CONTAINERD_SOCK)
         self.on_running = None  # () -> None, once the created containers run (main's stack check)
+        self.protection: P.Protection | None = None
 
     # -- checks ---------------------------------------------------------------------------------
     def check_container(self, step: str, pod: dict, c: dict, exp: X.ContainerExpectation | None = None) -> None:
@@ -655,6 +663,8 @@ class Scenario:
         self.check_sandboxes(step)
         self.check_pod_level(step, settle)
         snapshot(self.snap, f"{self.name}: {step}")
+        if self.protection:
+            self.protection.sampler.phase = f"after '{step}'"
 
     # -- steps -------------------------------------------------------------------------------------
     def wait_containers(self) -> None:
@@ -741,6 +751,7 @@ class Scenario:
         self.shim_cri = Cri(SHIM_SOCK)
         self.replayer = Replayer(self.shim_cri, self.trace, rep, name)
         self.replayer.after_call = self.kubelet_waits
+        self.protection = P.Protection(self)  # samples pod/QoS/node values from here until reset
 
         # 1. created: the kubelet's own calls up to its first Stop/Remove
         boundary = self.trace.removal_start()
@@ -793,10 +804,12 @@ class Scenario:
         self.check_all("shim killed (SIGKILL)", settle=0)
         # ... and a restarted shim has the same values. The kernel keeps them anyway, so zero some
         # while the shim is down: the restarted shim must rebuild them from the runtime alone.
-        if self.reconciler:
+        # (Not with the MemoryQoS-on trace: there the kubelet owns these values, not the shim.)
+        if self.reconciler and not self.protection.kubelet_writes:
             drifted = [pod["parent"] for pod in self.model.live_pods().values() if pod["qos"] == X.BURSTABLE][:1]
-            for path in drifted + ["/kubepods/burstable"]:
-                cg_write(path, "memory.min", "0")
+            with self.protection.external(drifted + ["/kubepods/burstable"]):
+                for path in drifted + ["/kubepods/burstable"]:
+                    cg_write(path, "memory.min", "0")
             rep.data.setdefault("observations", []).append(
                 f"{name}: wrote memory.min=0 to {drifted + ['/kubepods/burstable']} while the shim was down")
         dt = self.shim.start()
@@ -808,6 +821,7 @@ class Scenario:
         self.check_all("updated after restart")
 
         # 5. reset: the shim stopped, `memqos-shim reset` puts pod/QoS/node memory.min back to 0
+        self.protection.finish()
         self.reset()
         rep.timing(f"{name}:total", time.time() - t_all)
 
@@ -883,6 +897,8 @@ class Scenario:
     def teardown(self) -> None:
         """Stop the shim, remove every pod straight through containerd, remove the kubepods tree:
         the next scenario starts on a clean node."""
+        if self.protection:
+            self.protection.finish()
         if self.shim.proc and self.shim.proc.poll() is None:
             self.shim.kill(signal.SIGTERM)
         if self.shim_cri:

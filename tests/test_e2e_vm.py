@@ -271,3 +271,220 @@ def test_stack_mirror_and_matrix(tmp_path, monkeypatch, capsys):
     with open(tmp_path / "matrix.json") as f:
         assert [r["stack"] for r in json.load(f)["stacks"]] == ["1.6", "2.x", "1.7"]
     assert stacks.matrix(str(tmp_path), ["1.6=0"]) == 0
+
+
+# -- the sampling check (e2e/protection.py): pure over samples ----------------------------------
+POD_A = "/kubepods/burstable/poda"
+POD_B = "/kubepods/burstable/podb"
+POD_G = "/kubepods/podg"
+
+
+def _sample(t, values, members=None, departed=(), excused=(), phase="p"):
+    import protection as P
+
+    vals = {(path, "memory.min"): v for path, v in values.items()}
+    mem = {p: frozenset(ch) for p, ch in (members or {POD_A: {"sb-a", "c-a"}, POD_B: {"sb-b", "c-b"}}).items()}
+    return P.Sample(t, vals, mem, frozenset(departed), frozenset(excused), phase)
+
+
+def _levels(a=32, b=32, burst=None, kube=None):
+    burst = a + b if burst is None else burst
+    return {POD_A: a * MI, POD_B: b * MI, "/kubepods/burstable": burst * MI,
+            "/kubepods": (burst if kube is None else kube) * MI}
+
+
+def test_sampling_check_fails_a_drop_while_the_pods_stay():
+    """The issue's case: the kubelet's values in force, then a write of 0 with every pod and
+    container still there (the shim's reconciler at RunPodSandbox, gate on)."""
+    import protection as P
+
+    samples = [_sample(0.0, _levels()), _sample(0.1, _levels()),
+               _sample(0.2, _levels(a=0, burst=0, kube=0), phase="create")]
+    drops = P.find_drops(samples)
+    assert {(d.path, d.old, d.new) for d in drops} == {
+        (POD_A, 32 * MI, 0), ("/kubepods/burstable", 64 * MI, 0), ("/kubepods", 64 * MI, 0)}
+    assert all(d.t_old == 0.1 and d.t_new == 0.2 and d.phase == "create" and not d.allowed for d in drops)
+    # rising, or staying, is never a drop
+    assert P.find_drops([_sample(0.0, _levels(a=0, burst=0, kube=0)), _sample(0.1, _levels())]) == []
+
+
+def test_sampling_check_allows_a_decrease_where_a_pod_left():
+    import protection as P
+
+    gone = {POD_A: {"sb-a", "c-a"}, POD_B: {"sb-b"}}  # pod b's container stopped
+    samples = [_sample(0.0, _levels()), _sample(0.1, _levels(b=0), gone)]
+    assert P.find_drops(samples) == []
+    d = {x.path: x for x in P.decreases(samples)}
+    assert d[POD_B].allowed and d[POD_B].reason == f"left: {POD_B} (gone: c-b, 0.0s before)"
+    assert d["/kubepods/burstable"].allowed and d["/kubepods"].allowed  # its ancestors too
+    # ... but pod b leaving does not excuse pod a's value
+    samples = [_sample(0.0, _levels()), _sample(0.1, _levels(a=0, b=0), gone)]
+    assert [(x.path, x.new) for x in P.find_drops(samples)] == [(POD_A, 0)]
+    # a Guaranteed pod leaving concerns kubepods, not the burstable QoS cgroup
+    m0 = {POD_A: {"sb-a"}, POD_G: {"sb-g", "c-g"}}
+    samples = [_sample(0.0, {POD_A: 0, "/kubepods/burstable": 8 * MI, "/kubepods": 72 * MI}, m0),
+               _sample(0.1, {POD_A: 0, "/kubepods/burstable": 0, "/kubepods": 0}, {POD_A: {"sb-a"}})]
+    assert [x.path for x in P.find_drops(samples)] == ["/kubepods/burstable"]
+
+
+def test_sampling_check_departure_window():
+    """A decrease may come a few samples after the departure (the shim reacts to the call), not
+    before the value was last set, and not beyond the grace."""
+    import protection as P
+
+    samples = [_sample(0.0, _levels()), _sample(0.1, _levels(), departed=[POD_B]),
+               _sample(0.2, _levels()), _sample(0.3, _levels(b=0))]
+    assert P.find_drops(samples) == []
+    late = samples[:3] + [_sample(0.2 + P.GRACE + 1, _levels(b=0))]
+    assert [x.path for x in P.find_drops(late)] == [POD_B, "/kubepods/burstable", "/kubepods"]
+    # pod b left, then its value was raised again: a later decrease needs a new departure
+    again = samples[:3] + [_sample(0.3, _levels(b=48)), _sample(0.4, _levels(b=32))]
+    assert [(x.path, x.old, x.new) for x in P.find_drops(again)] == [
+        (POD_B, 48 * MI, 32 * MI), ("/kubepods/burstable", 80 * MI, 64 * MI), ("/kubepods", 80 * MI, 64 * MI)]
+
+
+def test_sampling_check_excuses_the_suites_own_writes_and_unreadable_values():
+    import protection as P
+
+    samples = [_sample(0.0, _levels()), _sample(0.1, _levels(a=0, burst=0, kube=64),
+                                                excused=[POD_A, "/kubepods/burstable"])]
+    assert P.find_drops(samples) == [] and all(d.allowed for d in P.decreases(samples))
+    none = _sample(0.1, _levels())
+    none.values[(POD_A, "memory.min")] = None  # unreadable for a moment: compared with the last value read
+    assert P.find_drops([_sample(0.0, _levels()), none, _sample(0.2, _levels())]) == []
+    lower = _sample(0.2, _levels(a=0, burst=64, kube=64))
+    assert [(d.path, d.old, d.new, d.t_old) for d in P.find_drops([_sample(0.0, _levels()), none, lower])] == [
+        (POD_A, 32 * MI, 0, 0.0)]
+
+
+def test_sampling_gap_stats():
+    import protection as P
+
+    samples = [_sample(t, _levels()) for t in (0.0, 0.1, 0.2, 0.5, 0.6)]
+    s = P.gap_stats(samples)
+    assert s["samples"] == 5 and s["max_gap_ms"] == 300.0 and s["gaps_over_200ms"] == 1
+
+
+def test_sampler_reads_a_cgroupfs_tree(tmp_path):
+    import time
+
+    import protection as P
+
+    def put(rel, mn, low="0"):
+        d = tmp_path / rel
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.min").write_text(mn + "\n")
+        (d / "memory.low").write_text(low + "\n")
+
+    s = P.Sampler(root=str(tmp_path), interval=0.01)
+    s.start()  # before kubepods exists, as in the guest
+    put("kubepods", "100")
+    put("kubepods/burstable", "60")
+    put("kubepods/besteffort", "0")
+    put("kubepods/burstable/podx", "60", "7")
+    put("kubepods/burstable/podx/sandbox1", "0")
+    put("kubepods/podg", "40")
+    (tmp_path / "kubepods/podg/c1").mkdir()
+    values, members = P.read_tree(str(tmp_path))
+    assert values[("/kubepods", "memory.min")] == 100 and values[("/kubepods/burstable/podx", "memory.low")] == 7
+    assert values[("/kubepods/podg", "memory.min")] == 40
+    assert members == {"/kubepods/burstable/podx": frozenset({"sandbox1"}), "/kubepods/podg": frozenset({"c1"})}
+    deadline = time.time() + 5
+    while not any(smp.members == members for smp in s.samples):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    (tmp_path / "kubepods/burstable/podx/memory.min").write_text("0\n")
+    while not any(smp.values.get(("/kubepods/burstable/podx", "memory.min")) == 0 for smp in s.samples):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    s.stop()
+    assert [(d.path, d.old, d.new) for d in P.find_drops(s.samples)] == [("/kubepods/burstable/podx", 60, 0)]
+
+
+def test_kubelet_reproduction_writes_what_the_recorded_kubelet_wrote(tmp_path):
+    """The guest's stand-in for a gate-on v1.23 kubelet: pod values from the manifests, QoS and
+    kubepods sums of the admitted pods, equal to the recorded *.cgroups.txt at steady state and
+    after the two removals."""
+    import protection as P
+
+    sys.path.insert(0, os.path.join(ROOT, "e2e"))
+    import guest
+
+    with open_text(str(trace_file(MEMQOS_ON))) as f:
+        calls = [json.loads(x) for x in f][1:]
+    pods = P.trace_pods(calls, guest.load_manifests(os.path.join(TRACES, "manifests")))
+    with open(os.path.join(TRACES, MEMQOS_ON + ".cgroups.txt")) as f:
+        steady, removed = f.read().split("### after qos-besteffort")[:2]
+
+    def mins(text):
+        return {p: int(v) for p, v in re.findall(r"^(/kubepods(?:/burstable)?(?:/pod[0-9a-f]+)?) min=(\d+)", text, re.M)}
+
+    k = P.KubeletMemoryQoS(pods, root=str(tmp_path))
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    k.admit_all()
+    for uid in pods:
+        k.before_sandbox(uid)
+    got = {p: int((tmp_path / p.lstrip("/") / "memory.min").read_text()) for p in mins(steady)}
+    assert got == mins(steady)
+    assert [w["path"] for w in k.writes[:2]] == ["/kubepods", "/kubepods/burstable"]  # before any pod cgroup
+    for uid, p in pods.items():
+        if p["name"].startswith(("qos-besteffort", "multi")):
+            k.removed(uid)
+    for path in ("/kubepods", "/kubepods/burstable"):
+        assert int((tmp_path / path.lstrip("/") / "memory.min").read_text()) == mins(removed)[path]
+
+
+def test_call_gate_pauses_new_calls_and_waits_for_those_in_flight():
+    import threading
+    import time
+
+    import protection as P
+
+    gate = P.CallGate()
+    order = []
+    started = threading.Event()
+
+    def call(name, hold):
+        with gate:
+            started.set()
+            order.append(name + " in")
+            time.sleep(hold)
+            order.append(name + " out")
+
+    t1 = threading.Thread(target=call, args=("first", 0.2))
+    t1.start()
+    started.wait(5)
+    with gate.paused():
+        order.append("paused")
+        t2 = threading.Thread(target=call, args=("second", 0))
+        t2.start()
+        time.sleep(0.1)
+        order.append("resume")
+    t1.join(5)
+    t2.join(5)
+    assert order == ["first in", "first out", "paused", "resume", "second in", "second out"]
+
+
+def test_sampling_check_values_left_over_from_before_sampling(tmp_path):
+    """A kubepods tree already there when sampling begins (an earlier scenario's pods the runtime
+    could not remove) holds values for pods that left unseen: lowering them is a departure's.
+    A tree that appears after the start gets no such allowance."""
+    import protection as P
+
+    samples = [_sample(0.0, _levels(), departed=[POD_A, POD_B, "/kubepods/burstable", "/kubepods"]),
+               _sample(0.1, _levels(a=0, burst=32, kube=32))]
+    assert P.find_drops(samples) == []
+    assert all("left before sampling began" in d.reason for d in P.decreases(samples))
+    for rel, value in (("kubepods", "64"), ("kubepods/burstable", "64"), ("kubepods/burstable/poda", "32")):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "memory.min").write_text(value + "\n")
+    s = P.Sampler(root=str(tmp_path), interval=3600)
+    s.start()
+    (tmp_path / "kubepods/burstable/memory.min").write_text("32\n")
+    s.stop()
+    assert s.samples[0].departed == {"/kubepods", "/kubepods/burstable", "/kubepods/burstable/poda"}
+    assert P.find_drops(s.samples) == [] and len(P.decreases(s.samples)) == 1
+    fresh = P.Sampler(root=str(tmp_path / "none"), interval=3600)
+    fresh.start()
+    fresh.stop()
+    assert fresh.samples[0].departed == frozenset()
