@@ -145,7 +145,7 @@ class ClientToServer:
             elif ident == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise H2Error(ERR_FLOW_CONTROL, "window_overflow", f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
-                self.windows.c_initial = value
+                self.windows.c_over = MAX_WINDOW - value
 
     def _observe_client(self, data: bytes, units: list) -> None:
         """A chunk already written upstream unchanged: count its DATA, reassemble messages,

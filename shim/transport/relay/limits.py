@@ -198,9 +198,8 @@ class Guarded:
             return
         call = self.streams.get(sid)
         if call is not None:
-            down = call.down + inc
-            call.down = down
-            if down + win.c_initial > MAX_WINDOW and sid not in self.ended:
+            call.down += inc
+            if call.down > win.c_over and sid not in self.ended:
                 self._stream_error(call, f"a WINDOW_UPDATE of {inc} takes stream {sid}'s window past 2^31-1")
 
     def _stream_error(self, call, detail: str) -> None:

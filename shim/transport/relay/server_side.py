@@ -68,10 +68,11 @@ class ServerToClient:
         win = self.windows
         for ftype, flags, sid, fpos, end in frames(data, pos, n):
             if ftype == DATA:
-                win.to_client -= end - fpos - 9
+                length = end - fpos - 9
+                win.to_client -= length
                 call = streams.get(sid)
                 if call is not None and not flags & (END_STREAM | PADDED):  # the usual one, inline
-                    call.down -= end - fpos - 9
+                    call.down -= length
                     too_big = call.resp.feed(memoryview(data)[fpos + 9:end])
                     if too_big:
                         self._server_too_big(data, call, too_big, fpos, end)

@@ -16,8 +16,8 @@ message it sends instead (N' bytes for N) must fit the server's windows. So it t
   stream otherwise), a lowered one at once (the server may apply it on sending). The same
   values give the bounds of the client's stream windows (``Call.up``, see ``limits.py``): the
   largest the client may be using (``peak``: acknowledged or not yet) for its DATA, the
-  smallest (``initial``) for a WINDOW_UPDATE's overflow; and the client's own value
-  (``c_initial``) starts the windows it gives the server (``Call.down``).
+  smallest (``initial``) for a WINDOW_UPDATE's overflow; and the client's own value starts
+  the windows it gives the server (``Call.down``, at most ``c_over``).
 * the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
   order, with the flow-controlled length of each entry.
 
@@ -33,7 +33,7 @@ DEFAULT_WINDOW = 65535
 
 
 class Windows:
-    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "peak", "c_initial",
+    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "peak", "c_over",
                  "max_frame", "streams", "queue", "queued", "qsids")
 
     def __init__(self) -> None:
@@ -49,9 +49,9 @@ class Windows:
         # or one it may have applied on receipt (not acknowledged yet); the client's stream
         # windows are judged against it (``Call.up``), lower ones against ``initial``
         self.peak = DEFAULT_WINDOW
-        # the client's own SETTINGS_INITIAL_WINDOW_SIZE (its latest): what the runtime's stream
-        # windows start from (``Call.down``)
-        self.c_initial = DEFAULT_WINDOW
+        # 2^31-1 less the client's own SETTINGS_INITIAL_WINDOW_SIZE (its latest), which the
+        # runtime's stream windows start from: a ``Call.down`` above it is a window past 2^31-1
+        self.c_over = MAX_WINDOW - DEFAULT_WINDOW
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
         self.max_frame = 16384
