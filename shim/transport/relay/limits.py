@@ -14,10 +14,23 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
 * a frame above the SETTINGS_MAX_FRAME_SIZE the client was given (16384 until the runtime
   advertises more, at most ``max_frame_size``): GOAWAY FRAME_SIZE_ERROR, judged from the
   9-byte frame header before its payload is kept;
-* client DATA beyond the connection window the client was given, a WINDOW_UPDATE or
-  SETTINGS_INITIAL_WINDOW_SIZE that takes a window past 2^31-1 (RFC 9113 6.9.1, 6.9.2):
-  FLOW_CONTROL_ERROR (GOAWAY to the peer that broke it; a held stream's window from the
-  runtime: that stream reset);
+* client DATA beyond the connection window the client was given, a connection WINDOW_UPDATE
+  or SETTINGS_INITIAL_WINDOW_SIZE that takes a window past 2^31-1 (RFC 9113 6.9.1, 6.9.2):
+  GOAWAY FLOW_CONTROL_ERROR to the peer that broke it;
+* the same on a stream (``stream_flow_control``), a stream error: client DATA beyond the
+  stream's window, a client WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR
+  to the client, CANCEL upstream, the stream's frames from there dropped: ``_stream_error``);
+  the runtime's WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR upstream,
+  INTERNAL to the client: ``server_side.py``). Each open call keeps its two windows less the
+  initial window they start from (``Call.up``: the runtime's WINDOW_UPDATEs and the relay's for
+  held DATA, less the client's DATA; ``Call.down``: the client's WINDOW_UPDATEs less the
+  runtime's DATA), so a SETTINGS_INITIAL_WINDOW_SIZE change moves every stream's window at once
+  and the state goes with the call. The bounds are the most a compliant peer may use
+  (``Windows``): client DATA against the largest initial window the client may be using (the
+  acknowledged one or a newer one it may have applied on receipt), the runtime's
+  WINDOW_UPDATEs against the smallest, the client's against its own latest value. A held
+  request's DATA is bounded by the hold's caps instead while held; the runtime's window of a
+  stream the relay sends on itself is the relay's count of what it sent (``Windows.streams``);
 * more RST_STREAM from the client than ``reset_rate`` per second over a burst of
   ``reset_burst`` (rapid reset): GOAWAY ENHANCE_YOUR_CALM;
 * more than ``max_concurrent_streams`` open streams: the new one is refused (RST_STREAM
