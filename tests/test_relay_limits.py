@@ -490,7 +490,7 @@ def test_a_runtime_window_update_past_2_31_on_a_held_stream_resets_that_stream(h
     trailers = [f[3] for f in c.frames if f[0] == HEADERS and f[2] == 1][-1]
     assert literal(b"grpc-status", b"13") in trailers
     assert not c.closed
-    assert h.relay.limit_hits["window_overflow"] == 1
+    assert h.relay.limit_hits["stream_flow_control"] == 1
 
 
 # ------------------------------------------------------------------------------ streams

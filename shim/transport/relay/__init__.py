@@ -40,8 +40,9 @@ relay does on top of forwarding:
 Limits. What a connection may send is bounded (``limits.py``: header block size and
 CONTINUATIONs, frame size, flow-control windows, resets per second, concurrent streams, the
 preface and an opt-in idle timeout); past a limit the client gets GOAWAY with the RFC 9113 error
-code and the connection is closed (a stream over the concurrency limit is refused alone), and
-``RelayProxy.limit_hits`` counts it by limit.
+code and the connection is closed (a stream over the concurrency limit is refused alone, a
+stream whose flow control a peer broke is reset alone), and ``RelayProxy.limit_hits`` counts it
+by limit.
 
 Layout: ``connection.py`` is the relay of one kubelet connection without I/O (bytes in, writes
 to two writers, the owner told what happened), its work split by direction into
@@ -69,7 +70,9 @@ on only as far as the server's window exceeds what the client may already send p
 queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
 (held, dropped or cancelled bytes), the relay grants it to the client itself. The other
 direction's connection window is only counted (``Windows.to_client``), to refuse a client
-WINDOW_UPDATE that takes it past 2^31-1. Everything else
+WINDOW_UPDATE that takes it past 2^31-1. Each open stream's windows are counted
+both ways, for the limits only (``Call.up``, ``Call.down``; ``limits.py``): client DATA beyond
+a stream's window and a WINDOW_UPDATE taking one past 2^31-1 reset that stream. Everything else
 is forwarded verbatim: what the relay does not understand, it does not touch.
 """
 from __future__ import annotations

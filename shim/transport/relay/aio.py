@@ -32,7 +32,7 @@ from shim.transport.hooks import (
 )
 from shim.transport.relay.calls import request_reader
 from shim.transport.relay.connection import Connection
-from shim.transport.relay.limits import LIMIT_NAMES, H2Limits
+from shim.transport.relay.limits import LIMIT_NAMES, LIMIT_OUTCOMES, H2Limits
 from shim.transport.relay.listener import OUT_OF_DESCRIPTORS, Listener
 from shim.transport.wire.h2 import GOAWAY, PREFACE, SETTINGS, frame
 from shim.transport.unixsock import ThrottledLog, bind_private, remove_if_ours, resolve_gid, transport_endpoints
@@ -314,8 +314,8 @@ class RelayProxy:
         # times each HTTP/2 limit was hit (limits.py), by name: read by the shim's metrics
         self.limit_hits: dict[str, int] = dict.fromkeys(LIMIT_NAMES, 0)
         self._limit_logs = {name: ThrottledLog(f"HTTP/2 limit {name}", level=logging.WARNING,
-                                               outcome="the connection was closed (after GOAWAY once HTTP/2 had "
-                                               "started) or the stream refused")
+                                               outcome=LIMIT_OUTCOMES.get(name, "the connection was closed (after "
+                                                                           "GOAWAY once HTTP/2 had started)"))
                             for name in LIMIT_NAMES}
         self.hooks = hooks
         self.held_methods = frozenset(hooks.held_methods)

@@ -31,10 +31,14 @@ def request_reader(shapes: dict[str, tuple[bool, bool]]) -> Callable[[list], tup
 class Call:
     """A stream the client opened. ``hold`` is the held request's bytes (the methods the hooks
     hold, until END_STREAM or fail-open), None otherwise; ``rpc`` the ``RpcCall`` of a held
-    call (made when it starts: ``rewrite`` and ``finished`` get the same one)."""
+    call (made when it starts: ``rewrite`` and ``finished`` get the same one). ``up`` and ``down``
+    are the stream's flow-control windows less the initial window each starts from (``limits.py``):
+    the runtime's WINDOW_UPDATEs (and the relay's for held DATA) less the client's DATA; the
+    client's WINDOW_UPDATEs less the runtime's DATA."""
 
     __slots__ = ("sid", "method", "start", "t0", "timeout", "held", "hold", "req", "resp", "forwarded",
-                 "resp_headers", "http_status", "req_encoding", "resp_encoding", "request", "done", "rpc")
+                 "resp_headers", "http_status", "req_encoding", "resp_encoding", "request", "done", "rpc", "up",
+                 "down")
 
     def __init__(self, sid: int, info: tuple, limits, start: float, t0: float) -> None:
         method, timeout, encoding, unary_req, unary_resp, headers = info
@@ -65,6 +69,8 @@ class Call:
         self.resp_encoding = b""
         self.request: bytes | None = None  # set for held calls (the message the hook saw)
         self.done = False
+        self.up = 0
+        self.down = 0
 
     def finished(self, code: str, details: str, now: float) -> RpcCall:
         """What ``CallHooks.finished`` gets for this call, ended with ``code`` at ``now``."""

@@ -57,6 +57,8 @@ class ClientToServer:
             self._rebuild_client(data, units, pos)
         if self.refused_sids:
             self._refuse_streams()
+        if self.stream_errors:
+            self._reset_streams()  # limits.py
         self._after()
 
     def _scan_client(self, data: bytes, pos: int, n: int) -> tuple:
@@ -64,20 +66,32 @@ class ClientToServer:
         (units, where the rest starts, can go upstream verbatim?, DATA bytes in it)."""
         streams = self.streams
         ended = self.ended
-        owned = self.windows.streams
-        qsids = self.windows.qsids
+        win = self.windows
+        owned = win.streams
+        qsids = win.qsids
         units = []
-        verbatim = not self.windows.queue
+        verbatim = not win.queue
         need = 0
         max_frame = self.max_frame_in
+        floor = -win.peak  # a stream's window less its initial one may not go below (limits.py)
         for unit in frames(data, pos, n):
             ftype, flags, sid, fpos, end = unit
             if ftype == DATA:
+                length = end - fpos - 9
                 call = streams.get(sid)
-                if (call is not None and call.hold is not None) or sid in ended or sid in owned:
+                if call is not None:
+                    up = call.up - length
+                    call.up = up
+                    # a held request's DATA is bounded by the hold's caps instead (hold.py)
+                    if up < floor and call.hold is None and sid not in ended:
+                        self._stream_error(call, f"{length} bytes of DATA beyond stream {sid}'s window "
+                                                 f"({up + length - floor})")
+                    if call.hold is not None:
+                        verbatim = False
+                if sid in ended or sid in owned:
                     verbatim = False
-                need += end - fpos - 9
-                if end - fpos - 9 > max_frame:
+                need += length
+                if length > max_frame:
                     self._check_unit(data, ftype, flags, fpos, end)
             elif ftype == HEADERS:
                 if end - fpos - 9 > max_frame or not flags & END_HEADERS:
@@ -110,13 +124,28 @@ class ClientToServer:
                 if ftype == RST_STREAM:
                     self._client_reset()
                 elif ftype == WINDOW_UPDATE and end - fpos == 13:
-                    self._client_window_update(sid, u31(data, fpos + 9))
+                    self._client_window_update(sid, u31(data, fpos + 9))  # limits.py
+                elif ftype == SETTINGS and not flags & ACK:
+                    self._client_settings(data, fpos, end)
             units.append(unit)
             pos = end
-        if need > self.windows.c_conn:
+        if need > win.c_conn:
             raise H2Error(ERR_FLOW_CONTROL, "flow_control",
-                          f"{need} bytes of DATA beyond the connection window ({self.windows.c_conn})")
+                          f"{need} bytes of DATA beyond the connection window ({win.c_conn})")
+        if self.stream_errors:
+            verbatim = False
         return units, pos, verbatim, need
+
+    def _client_settings(self, data: bytes, pos: int, end: int) -> None:
+        """The client's SETTINGS (not an ACK), taken in the chunk's order: the values that
+        apply to what follows it (its initial window: to the stream windows it gives)."""
+        for ident, value in settings_items(data, pos + 9, end):
+            if ident == SETTINGS_HEADER_TABLE_SIZE:
+                self.sdec.max_allowed = max(self.sdec.max_allowed, value)
+            elif ident == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise H2Error(ERR_FLOW_CONTROL, "window_overflow", f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
+                self.windows.c_over = MAX_WINDOW - value
 
     def _observe_client(self, data: bytes, units: list) -> None:
         """A chunk already written upstream unchanged: count its DATA, reassemble messages,
@@ -144,15 +173,8 @@ class ClientToServer:
             call = self.streams.get(sid)
             if call is not None:
                 self._finish(call, call.ended_code(self.clock()), "")
-        elif ftype == SETTINGS:
-            if flags & ACK:
-                self.windows.client_acked()
-                return
-            for ident, value in settings_items(data, pos + 9, end):
-                if ident == SETTINGS_HEADER_TABLE_SIZE:
-                    self.sdec.max_allowed = max(self.sdec.max_allowed, value)
-                elif ident == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
-                    raise H2Error(ERR_FLOW_CONTROL, "window_overflow", f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
+        elif ftype == SETTINGS and flags & ACK:  # other SETTINGS: _client_settings, in the scan
+            self.windows.client_acked()
 
     def _rebuild_client(self, data: bytes, units: list, done: int) -> None:
         """The chunk needs changes: held, dropped or queued DATA, a held stream's end."""
@@ -208,6 +230,10 @@ class ClientToServer:
                         out_start = end
                         send(self.upstream, pending)
                         self._end_hold(call, pending)
+            elif ftype == WINDOW_UPDATE and sid in self.ended:  # of a stream the relay ended: dropped
+                if out_start < pos:
+                    pending.append(memoryview(data)[out_start:pos])
+                out_start = end
             else:
                 self._client_control(ftype, flags, sid, data, pos, end)
         if out_start < done:

@@ -84,6 +84,7 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
         self.s_block: int | None = None  # the same for the runtime's header block in sbuf: walked so far
         self.max_frame_in = DEFAULT_MAX_FRAME
         self.refused_sids: list[int] = []
+        self.stream_errors: list = []  # (call, why): streams whose flow control the client broke
         self.reset_tokens = float(self.limits.reset_burst)
         self.reset_at = clock()
         self.server_settings_seen = False
@@ -248,10 +249,14 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
         elif self.upstream is not None:
             self.upstream.write(rst)
         self.windows.forget(call.sid)
-        self.ended.add(call.sid)
+        self._ended(call.sid)
+        self._finish(call, code, details)
+
+    def _ended(self, sid: int) -> None:
+        """The relay ended stream ``sid`` itself: what either peer still sends on it is cut."""
+        self.ended.add(sid)
         if len(self.ended) > ENDED_MAX:
             self.ended.clear()
-        self._finish(call, code, details)
 
     def _too_big(self, call: Call, size: int, to_upstream: list | None) -> None:
         """A message (either way) declared above max_message_bytes: RESOURCE_EXHAUSTED, as grpc."""
@@ -291,9 +296,12 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
             return  # nothing to give back (the usual case)
         room = win.grant()
         frames = [window_update(0, room)] if room else []
+        streams = self.streams
         for sid, n in self.repay_streams.items():
-            if sid in self.streams:
+            call = streams.get(sid)
+            if call is not None:
                 frames.append(window_update(sid, n))
+                call.up += n  # the client's window for the stream grows by it too
         self.repay_streams.clear()
         if frames:
             self._to_client(b"".join(frames))

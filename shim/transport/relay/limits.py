@@ -14,10 +14,23 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
 * a frame above the SETTINGS_MAX_FRAME_SIZE the client was given (16384 until the runtime
   advertises more, at most ``max_frame_size``): GOAWAY FRAME_SIZE_ERROR, judged from the
   9-byte frame header before its payload is kept;
-* client DATA beyond the connection window the client was given, a WINDOW_UPDATE or
-  SETTINGS_INITIAL_WINDOW_SIZE that takes a window past 2^31-1 (RFC 9113 6.9.1, 6.9.2):
-  FLOW_CONTROL_ERROR (GOAWAY to the peer that broke it; a held stream's window from the
-  runtime: that stream reset);
+* client DATA beyond the connection window the client was given, a connection WINDOW_UPDATE
+  or SETTINGS_INITIAL_WINDOW_SIZE that takes a window past 2^31-1 (RFC 9113 6.9.1, 6.9.2):
+  GOAWAY FLOW_CONTROL_ERROR to the peer that broke it;
+* the same on a stream (``stream_flow_control``), a stream error: client DATA beyond the
+  stream's window, a client WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR
+  to the client, CANCEL upstream, the stream's frames from there dropped: ``_stream_error``);
+  the runtime's WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR upstream,
+  INTERNAL to the client: ``server_side.py``). Each open call keeps its two windows less the
+  initial window they start from (``Call.up``: the runtime's WINDOW_UPDATEs and the relay's for
+  held DATA, less the client's DATA; ``Call.down``: the client's WINDOW_UPDATEs less the
+  runtime's DATA), so a SETTINGS_INITIAL_WINDOW_SIZE change moves every stream's window at once
+  and the state goes with the call. The bounds are the most a compliant peer may use
+  (``Windows``): client DATA against the largest initial window the client may be using (the
+  acknowledged one or a newer one it may have applied on receipt), the runtime's
+  WINDOW_UPDATEs against the smallest, the client's against its own latest value. A held
+  request's DATA is bounded by the hold's caps instead while held; the runtime's window of a
+  stream the relay sends on itself is the relay's count of what it sent (``Windows.streams``);
 * more RST_STREAM from the client than ``reset_rate`` per second over a burst of
   ``reset_burst`` (rapid reset): GOAWAY ENHANCE_YOUR_CALM;
 * more than ``max_concurrent_streams`` open streams: the new one is refused (RST_STREAM
@@ -62,8 +75,11 @@ from shim.transport.wire.h2 import (
 )
 
 # the limits by the name their metric label and log line use
-LIMIT_NAMES = ("header_block", "continuations", "frame_size", "flow_control", "window_overflow", "rapid_reset",
-               "concurrent_streams", "preface_timeout", "idle_timeout")
+LIMIT_NAMES = ("header_block", "continuations", "frame_size", "flow_control", "window_overflow",
+               "stream_flow_control", "rapid_reset", "concurrent_streams", "preface_timeout", "idle_timeout")
+# what follows a hit, for its log line, where it is not the connection closed
+LIMIT_OUTCOMES = {"concurrent_streams": "the stream was refused, the connection goes on",
+                  "stream_flow_control": "the stream was reset, the connection goes on"}
 
 
 @dataclass(frozen=True)
@@ -184,13 +200,48 @@ class Guarded:
         self.reset_tokens = tokens
 
     def _client_window_update(self, sid: int, inc: int) -> None:
-        """A connection WINDOW_UPDATE from the client: what the runtime may send it stays <= 2^31-1."""
+        """A WINDOW_UPDATE from the client: what the runtime may send it stays <= 2^31-1, on the
+        connection (else a connection error) and on a stream (else a stream error)."""
+        win = self.windows
         if not sid:
-            win = self.windows
             win.to_client += inc
             if win.to_client > MAX_WINDOW:
                 raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
                               "a connection WINDOW_UPDATE past 2^31-1 from the client")
+            return
+        call = self.streams.get(sid)
+        if call is not None:
+            call.down += inc
+            if call.down > win.c_over and sid not in self.ended:
+                self._stream_error(call, f"a WINDOW_UPDATE of {inc} takes stream {sid}'s window past 2^31-1")
+
+    def _stream_error(self, call, detail: str) -> None:
+        """The client broke a stream's flow control (RFC 9113 6.9.1: a stream error): its DATA and
+        WINDOW_UPDATEs from here on are dropped (``ended``), and once the chunk is forwarded the
+        stream is reset both ways (``_reset_streams``)."""
+        self.ended.add(call.sid)
+        if call.hold is not None:
+            self._drop_hold(call)  # nothing of it goes upstream
+        self.stream_errors.append((call, detail))
+
+    def _reset_streams(self) -> None:
+        """The streams of the last chunk that broke flow control: RST_STREAM CANCEL upstream,
+        RST_STREAM FLOW_CONTROL_ERROR to the client, the call ended (INTERNAL); the connection
+        and the other streams go on."""
+        errors, self.stream_errors = self.stream_errors, []
+        up, down = [], []
+        for call, detail in errors:
+            if call.done:  # ended in the same chunk (the client reset it, a message too large)
+                continue
+            up.append(rst_stream(call.sid, ERR_CANCEL))
+            down.append(rst_stream(call.sid, ERR_FLOW_CONTROL))
+            self._ended(call.sid)
+            self.windows.forget(call.sid)  # DATA of it still queued for the runtime's windows
+            self.relay.limit_hit("stream_flow_control", f"the client: {detail}")
+            self._finish(call, "INTERNAL", f"memqos-shim: the kubelet broke HTTP/2 flow control: {detail}")
+        if up:
+            self.upstream.write(b"".join(up))
+            self._to_client(b"".join(down))
 
     def _refuse_streams(self) -> None:
         """Streams opened beyond ``max_concurrent_streams`` in the last chunk: their HEADERS went

@@ -68,9 +68,11 @@ class ServerToClient:
         win = self.windows
         for ftype, flags, sid, fpos, end in frames(data, pos, n):
             if ftype == DATA:
-                win.to_client -= end - fpos - 9
+                length = end - fpos - 9
+                win.to_client -= length
                 call = streams.get(sid)
                 if call is not None and not flags & (END_STREAM | PADDED):  # the usual one, inline
+                    call.down -= length
                     too_big = call.resp.feed(memoryview(data)[fpos + 9:end])
                     if too_big:
                         self._server_too_big(data, call, too_big, fpos, end)
@@ -129,6 +131,7 @@ class ServerToClient:
         relay does not follow or ended itself)."""
         call = self.streams.get(sid)
         if call is not None:
+            call.down -= end - pos - 9
             too_big = call.resp.feed(data_payload(data, flags, pos, end))
             if too_big:
                 self._server_too_big(data, call, too_big, pos, end)
@@ -157,16 +160,31 @@ class ServerToClient:
             room = win.grant()
             if room:
                 self.s_pending.append(window_update(0, room))
-        elif sid in win.streams:
-            w = win.streams[sid] + (int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF)
+            return
+        inc = int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
+        call = self.streams.get(sid)
+        w = win.streams.get(sid)
+        if w is not None:  # a stream the relay sends on itself: its own count of the window decides
+            w += inc
             win.streams[sid] = w
-            call = self.streams.get(sid)
-            if w > MAX_WINDOW and call is not None:  # a stream error: that stream reset
-                self._cut(data, pos, end)
-                send(self.client, self.s_pending)
-                self.relay.limit_hit("window_overflow", f"the runtime: stream {sid}'s window past 2^31-1")
-                self._fail_call(call, "INTERNAL", "memqos-shim: the runtime overflowed the stream's flow-control "
-                                "window", self.s_upstream, ERR_FLOW_CONTROL)
+            if call is None:
+                return
+            call.up += inc
+        elif call is not None:
+            w = call.up + inc
+            call.up = w
+            # the window as the client counts it, with the smallest initial window it may use;
+            # a held stream's DATA the relay has sent in full is the relay's, not the client's
+            w = MAX_WINDOW if call.held else w + win.initial
+        else:
+            return
+        if w > MAX_WINDOW:  # a stream error: that stream reset
+            self._cut(data, pos, end)
+            send(self.client, self.s_pending)
+            self.relay.limit_hit("stream_flow_control", f"the runtime: a WINDOW_UPDATE of {inc} takes stream "
+                                 f"{sid}'s window past 2^31-1")
+            self._fail_call(call, "INTERNAL", "memqos-shim: the runtime overflowed the stream's flow-control "
+                            "window", self.s_upstream, ERR_FLOW_CONTROL)
 
     def _server_rst(self, data: bytes, sid: int, pos: int, end: int) -> None:
         if sid in self.ended:
@@ -240,12 +258,13 @@ class ServerToClient:
         self.client.write(memoryview(data)[:pos])
         win = self.windows
         for ftype, flags, sid, fpos, end in units:
-            if ftype == DATA:
-                win.to_client -= end - fpos - 9
             if ftype == HEADERS:
                 self._server_headers(sid, header_block(data, ftype, flags, fpos, end), 0)
             else:
+                win.to_client -= end - fpos - 9
                 call = streams.get(sid)
+                if call is not None:
+                    call.down -= end - fpos - 9
                 if call is not None and not call.done:
                     too_big = call.resp.feed(memoryview(data)[fpos + 9:end])
                     if too_big:
@@ -261,6 +280,8 @@ class ServerToClient:
         self.windows.to_client -= length
         sid = u31(data, pos + 5)
         call = self.streams.get(sid)
+        if call is not None:
+            call.down -= length
         drop = sid in self.ended
         if call is not None and not drop:
             too_big = call.resp.feed(memoryview(data)[pos + 9:n])

@@ -13,7 +13,11 @@ message it sends instead (N' bytes for N) must fit the server's windows. So it t
 * the server's SETTINGS_INITIAL_WINDOW_SIZE as far as the relay may use it for its own DATA:
   a raised value counts only once the client's ACK of that SETTINGS frame went upstream
   (grpc-core checks a stream's DATA against the value the peer acknowledged, and resets the
-  stream otherwise), a lowered one at once (the server may apply it on sending).
+  stream otherwise), a lowered one at once (the server may apply it on sending). The same
+  values give the bounds of the client's stream windows (``Call.up``, see ``limits.py``): the
+  largest the client may be using (``peak``: acknowledged or not yet) for its DATA, the
+  smallest (``initial``) for a WINDOW_UPDATE's overflow; and the client's own value starts
+  the windows it gives the server (``Call.down``, at most ``c_over``).
 * the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
   order, with the flow-controlled length of each entry.
 
@@ -29,8 +33,8 @@ DEFAULT_WINDOW = 65535
 
 
 class Windows:
-    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "max_frame", "streams",
-                 "queue", "queued", "qsids")
+    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "peak", "c_over",
+                 "max_frame", "streams", "queue", "queued", "qsids")
 
     def __init__(self) -> None:
         self.s_conn = DEFAULT_WINDOW
@@ -41,6 +45,13 @@ class Windows:
         self.initial = DEFAULT_WINDOW  # what counts for the relay's own DATA
         self.initial_acked = DEFAULT_WINDOW
         self.settings_unacked: deque = deque()  # per server SETTINGS frame not yet acked: its value or None
+        # the largest initial window the client may be using for its DATA: the acknowledged one
+        # or one it may have applied on receipt (not acknowledged yet); the client's stream
+        # windows are judged against it (``Call.up``), lower ones against ``initial``
+        self.peak = DEFAULT_WINDOW
+        # 2^31-1 less the client's own SETTINGS_INITIAL_WINDOW_SIZE (its latest), which the
+        # runtime's stream windows start from: a ``Call.down`` above it is a window past 2^31-1
+        self.c_over = MAX_WINDOW - DEFAULT_WINDOW
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
         self.max_frame = 16384
@@ -69,10 +80,14 @@ class Windows:
     def _apply_initial(self) -> None:
         """The acknowledged initial window, or a lower one still waiting for its ACK; a change
         moves the windows of the streams the relay sends on (RFC 9113 6.9.2)."""
-        value = self.initial_acked
+        value = peak = self.initial_acked
         for v in self.settings_unacked:
-            if v is not None and v < value:
-                value = v
+            if v is not None:
+                if v < value:
+                    value = v
+                elif v > peak:
+                    peak = v
+        self.peak = peak
         delta = value - self.initial
         if delta:
             self.initial = value
