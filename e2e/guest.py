@@ -325,6 +325,10 @@ class Replayer:
         self.after_call = None  # (method, request, response) -> None, in the pod's worker thread
         self.before_call = None  # (method, request) -> None, in the pod's worker thread, before sending
         self.gate = contextlib.nullcontext()  # held around each call (protection.CallGate pauses them)
+        # added to every pod's and container's metadata.attempt: a pod of an earlier phase that the
+        # runtime could not remove (report["runtime_hangs"]) keeps its sandbox name reserved, and
+        # the kubelet's next attempt of the same pod is what gets a new name
+        self.attempt = 0
 
     def _prepare_host(self, name: str, req) -> None:
         """Create what the kubelet had created on its node before the call: the pod log
@@ -351,6 +355,12 @@ class Replayer:
         with self.lock:
             idmap = dict(self.idmap)
         mapped = substitute_ids(req, idmap)
+        if self.attempt:
+            if name == "RunPodSandbox":
+                req.config.metadata.attempt += self.attempt
+            elif name == "CreateContainer":
+                req.sandbox_config.metadata.attempt += self.attempt
+                req.config.metadata.attempt += self.attempt
         self._prepare_host(name, req)
         if self.before_call is not None:
             self.before_call(name, req)
@@ -751,6 +761,10 @@ class Scenario:
         self.shim_cri = Cri(SHIM_SOCK)
         self.replayer = Replayer(self.shim_cri, self.trace, rep, name)
         self.replayer.after_call = self.kubelet_waits
+        if rep.data.get("runtime_hangs"):
+            self.replayer.attempt = 1
+            log(f"{name}: pods of an earlier phase were not removed (runtime hang): replayed as the kubelet's "
+                "next attempt (metadata.attempt + 1) so their sandbox names stay free")
         self.protection = P.Protection(self)  # samples pod/QoS/node values from here until reset
 
         # 1. created: the kubelet's own calls up to its first Stop/Remove
@@ -2322,12 +2336,20 @@ def remove_every_pod(cri: "Cri", report: "Report", what: str, timeout: float) ->
     for sb in sandboxes:
         try:
             stop_gently(cri, sb.id)
-            cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=timeout)
-            cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=timeout)
-        except Exception as e:  # noqa: BLE001
-            line = f"{what}: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed in {timeout:g} s: {e}"
-            report.data.setdefault("runtime_hangs", []).append(line[:300])
-            log(line[:300])
+        except Exception:  # noqa: BLE001
+            pass
+        for attempt in (1, 2):  # under TCG containerd may need minutes to get over a shim's slow exit
+            try:
+                cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=timeout)
+                cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=timeout)
+                break
+            except Exception as e:  # noqa: BLE001
+                line = f"{what}: sandbox {sb.id[:12]} ({sb.metadata.name}) not removed in {timeout:g} s: {e}"
+                if attempt == 1:
+                    log(f"{line[:300]}; asking once more")
+                    continue
+                report.data.setdefault("runtime_hangs", []).append(line[:300])
+                log(line[:300])
 
 
 def stop_gently(cri: "Cri", sandbox_id: str, grace: int = 10) -> None:
