@@ -2216,7 +2216,7 @@ def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Re
         os.makedirs(os.path.join(RUN, d), exist_ok=True)
     with open(stack["config"]) as f:
         conf = f.read().replace("@ROOT@", RUN).replace("@SYSTEMD_CGROUP@", "true" if systemd else "false")
-    conf = conf.replace("@RUNC@", stack["runc"]).replace("@NRI@", NRI_ON_1X if nri else "")
+    conf = conf.replace("@RUNC@", stack["runc"]).replace("#@NRI@", NRI_ON_1X if nri else "")
     conf_path = os.path.join(RUN, "containerd", "config.toml")
     with open(conf_path, "w") as f:
         f.write(conf)
