@@ -364,7 +364,16 @@ class NriScenario:
         self.nri.wait_containers()
         self.plugin.signal(signal.SIGCONT)
         dt = self.plugin.wait_synced(syncs + 1)
-        self.note(f"SIGCONT: plugin reconnected and synchronized after {dt:.1f}s")
+        # the audit's Synchronize record is written before the reply: containerd applies the
+        # reply's container updates after it, through the runc shim
+        late = f"{run_req.config.linux.cgroup_parent}/{created.container_id}"
+        want = X.kernel_reads(self.nri.model.pods[run_req.config.metadata.uid]["containers"][created.container_id]
+                              ["exp"].min, self.nri.node.page)
+        t = time.time()
+        while G.cg_read(late, "memory.min") != want and time.time() - t < self.args.settle:
+            time.sleep(0.2)
+        self.note(f"SIGCONT: plugin reconnected and synchronized after {dt:.1f}s; the late container's "
+                  f"memory.min read {G.cg_read(late, 'memory.min')} {time.time() - t:.1f}s later")
         self.nri.check_all("plugin continued (SIGCONT): the late pod caught up")
 
     def containerd_restart(self) -> None:
