@@ -49,6 +49,8 @@ sys.path.insert(0, CHECKOUT)
 import expect as X  # noqa: E402  (e2e/expect.py: independent arithmetic)
 import protection as P  # noqa: E402  (e2e/protection.py: the sampling check)
 
+sys.modules.setdefault("guest", sys.modules[__name__])  # e2e/nri_scenario.py imports this module
+
 CGROOT = "/sys/fs/cgroup"
 RUN = "/run/e2e"
 CONTAINERD_SOCK = f"{RUN}/containerd/containerd.sock"
@@ -2232,7 +2234,11 @@ def load_manifests(directory: str) -> dict:
 
 
 # -- containerd -----------------------------------------------------------------------------------------
-def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Report, stack: dict):
+NRI_ON_1X = '[plugins."io.containerd.nri.v1.nri"]\n  disable = false\n'  # 2.x: on by default
+
+
+def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Report, stack: dict,
+                     nri: bool = False):
     from shim.cri import api_pb2 as pb
 
     t = time.time()
@@ -2240,7 +2246,7 @@ def start_containerd(out_logs: str, images: list[str], systemd: bool, report: Re
         os.makedirs(os.path.join(RUN, d), exist_ok=True)
     with open(stack["config"]) as f:
         conf = f.read().replace("@ROOT@", RUN).replace("@SYSTEMD_CGROUP@", "true" if systemd else "false")
-    conf = conf.replace("@RUNC@", stack["runc"])
+    conf = conf.replace("@RUNC@", stack["runc"]).replace("#@NRI@", NRI_ON_1X if nri else "")
     conf_path = os.path.join(RUN, "containerd", "config.toml")
     with open(conf_path, "w") as f:
         f.write(conf)
@@ -2469,6 +2475,8 @@ def main(argv: list[str]) -> int:
                     help="guard: seconds allowed beyond window + one interval for the guard to act")
     ap.add_argument("--reclaim", action="store_true",
                     help="run the proactive reclaim scenario (after the traces and the guard)")
+    ap.add_argument("--nri", action="store_true",
+                    help="run the NRI scenario (e2e/nri_scenario.py) on the first --trace instead of the traces")
     ap.add_argument("--manifests", default="")
     ap.add_argument("--driver", default="all", help="cgroupfs, systemd or all")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the reconciler gets to converge")
@@ -2511,7 +2519,7 @@ def main(argv: list[str]) -> int:
         if not reconciler[0]:
             log("no reconciler in the checkout: pod/QoS/node values will be reported as skipped")
         images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar", "hog.tar")]
-        containerd = start_containerd(logs, images, False, report, stack)
+        containerd = start_containerd(logs, images, False, report, stack, nri=args.nri)
         log("containerd ready, images imported")
         stack_checked: list[bool] = []
 
@@ -2520,7 +2528,20 @@ def main(argv: list[str]) -> int:
                 stack_checked.append(True)
                 check_stack_binaries(report, stack, containerd.pid)
 
-        for spec in args.trace:
+        if args.nri:
+            import nri_scenario
+
+            def restart_containerd():
+                nonlocal containerd
+                containerd.terminate()
+                containerd.wait(timeout=60)
+                containerd = start_containerd(logs, [], False, report, stack, nri=True)
+                return containerd
+
+            nri = nri_scenario.NriScenario(args, report, args.trace[0].split("=", 1)[1], reconciler,
+                                           containerd, restart_containerd)
+            run_scenario("nri", nri, report)
+        for spec in ([] if args.nri else args.trace):
             name, path = spec.split("=", 1)
             scenario = Scenario(args, report, path, name, reconciler)
             scenario.on_running = stack_check
@@ -2531,7 +2552,7 @@ def main(argv: list[str]) -> int:
             run_scenario("guard", guard, report)
         if args.reclaim:
             run_scenario("reclaim", ReclaimScenario(args, report), report)
-        if not args.trace and not args.guard and not args.reclaim:
+        if not args.trace and not args.guard and not args.reclaim and not args.nri:
             raise InfraError("nothing to run: no --trace, no --guard, no --reclaim")
     except InfraError as e:
         report.data["errors"].append(str(e))

@@ -250,6 +250,30 @@ def test_stack_config_templates_fill_the_same_placeholders():
     assert re.search(r'pinned_images\]\s+sandbox = "localhost/pause:e2e"', v3)
 
 
+def test_nri_scenario_switches_nri_on_in_the_1x_config_only_when_asked():
+    """containerd 1.7 runs NRI only with its section's `disable = false`: the guest puts it in the
+    1.x config for the NRI scenario, leaves a bare comment otherwise (also for guest_systemd.py,
+    which fills the template without knowing the placeholder), and 2.x's config needs none."""
+    import tomllib
+
+    import guest
+
+    with open(os.path.join(ROOT, "e2e", "containerd.toml.in")) as f:
+        template = f.read()
+
+    def fill(text: str, nri: bool) -> dict:
+        text = text.replace("@ROOT@", "/run/e2e").replace("@SYSTEMD_CGROUP@", "false").replace("@RUNC@", "/runc")
+        return tomllib.loads(text.replace("#@NRI@", guest.NRI_ON_1X if nri else ""))
+
+    assert fill(template, True)["plugins"]["io.containerd.nri.v1.nri"] == {"disable": False}
+    assert "io.containerd.nri.v1.nri" not in fill(template, False)["plugins"]
+    assert "io.containerd.nri.v1.nri" not in tomllib.loads(
+        template.replace("@ROOT@", "/r").replace("@SYSTEMD_CGROUP@", "true").replace("@RUNC@", "runc"))["plugins"]
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--scenario", "nri", "--stack", "9",
+                        "--no-install"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "--stack must be one of" in p.stderr  # nri is a known scenario
+
+
 def test_stack_mirror_and_matrix(tmp_path, monkeypatch, capsys):
     import stacks
 
