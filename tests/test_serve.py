@@ -28,6 +28,12 @@ PAGE = 4096
 FACTOR = 0.9
 
 
+def complete_lines(path) -> list[str]:
+    """The audit log's complete lines: the writer thread may be in the middle of one."""
+    text = path.read_text() if path.exists() else ""
+    return text.split("\n")[:-1]
+
+
 def expected_high(req: int, ceiling: int) -> int:
     """The reference formula, written out here independently of shim.decision."""
     return int(req + (ceiling - req) * FACTOR) // PAGE * PAGE
@@ -65,7 +71,7 @@ class Shim:
         """The decision records (CreateContainer / UpdateContainerResources), waiting for n of them."""
         deadline = time.monotonic() + timeout
         while True:
-            lines = self.audit.read_text().splitlines() if self.audit.exists() else []
+            lines = complete_lines(self.audit)
             recs = [json.loads(x) for x in lines]
             decisions = [r for r in recs if r.get("method") in ("CreateContainer", "UpdateContainerResources")]
             if len(decisions) >= n or time.monotonic() > deadline:
@@ -196,7 +202,7 @@ def test_garbage_create_container_forwarded_unchanged_with_audit(stack):
     assert got == garbage and len(runtime.received_create_requests) >= before
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        recs = [json.loads(x) for x in shim.audit.read_text().splitlines()]
+        recs = [json.loads(x) for x in complete_lines(shim.audit)]
         fail_open = [r for r in recs if r.get("event") == "fail-open"]
         if fail_open:
             break
