@@ -18,10 +18,9 @@ import asyncio
 import logging
 
 from shim.app.config import Config
-from shim.app.service import Service, kubelet_ownership, protobuf_backend
+from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node
 from shim.container.nri_handler import NriMemoryQoS
 from shim.evidence.audit import AuditLog
-from shim.node.facts import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +76,7 @@ class NriService(Service):
 
     @classmethod
     def from_config(cls, cfg: Config) -> "NriService":
-        kubelet = load_kubelet_config(cfg.kubelet_config)
-        for problem in kubelet.problems:
-            log.warning("kubelet config: %s", problem)
-        capacity = read_mem_total(cfg.meminfo)
-        page = cfg.page_size or system_page_size()
-        node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
-        v2 = is_cgroup_v2(cfg.cgroup_root)
+        kubelet, capacity, page, node, v2 = read_node(cfg)
         audit = AuditLog(cfg.audit_log).start()
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         if protobuf_backend() != "upb":

@@ -75,6 +75,18 @@ def kubelet_ownership(cfg: Config, kubelet, version=None):
     return writes, ownership(writes, cfg.policy), how, pending
 
 
+def read_node(cfg: Config):
+    """What both front ends read of the node at start: (the KubeletConfiguration, MemTotal, the
+    page size, the node's facts, whether the cgroup root is cgroup v2)."""
+    kubelet = load_kubelet_config(cfg.kubelet_config)
+    for problem in kubelet.problems:
+        log.warning("kubelet config: %s", problem)
+    capacity = read_mem_total(cfg.meminfo)
+    page = cfg.page_size or system_page_size()
+    node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
+    return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
+
+
 def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
     """The transport's CallHooks: the rewriter, then the observers (recorder, ...)."""
     return HookChain(container_qos, observers)
@@ -114,13 +126,7 @@ class Service:
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":
-        kubelet = load_kubelet_config(cfg.kubelet_config)
-        for problem in kubelet.problems:
-            log.warning("kubelet config: %s", problem)
-        capacity = read_mem_total(cfg.meminfo)
-        page = cfg.page_size or system_page_size()
-        node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
-        v2 = is_cgroup_v2(cfg.cgroup_root)
+        kubelet, capacity, page, node, v2 = read_node(cfg)
         audit = AuditLog(cfg.audit_log).start()
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
