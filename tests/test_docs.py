@@ -1,6 +1,7 @@
 """The docs cannot drift from the code: the worked examples of docs/memory-qos.md are
-recomputed with shim.decision / shim.node.state, and every relative link in README.md and
-docs/ must point at a file of the repository."""
+recomputed with shim.decision / shim.node.state, every relative link in README.md and docs/
+must point at a file of the repository (and at a heading of it, for a link with #), README.md
+stays a front door of at most 250 lines, and no page tells the history of the code."""
 from __future__ import annotations
 
 import re
@@ -397,18 +398,89 @@ def test_docs_exist():
         assert (DOCS / name).is_file(), name
 
 
+def _without_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def anchors(path: Path) -> set[str]:
+    """The #fragments GitHub gives the headings of a markdown page: lower case, punctuation
+    other than - and _ dropped, spaces to -, a repeated one numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", _without_code(path.read_text(encoding="utf-8")), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_anchors_are_githubs():
+    page = "# A page\n## HTTP/2 limits of the relay\n```\n# not a heading\n```\n" \
+           "### The systemd guest (`scripts/e2e-vm --guest systemd`)\n## The kubelet's own Memory QoS\n## Notes\n## Notes\n"
+    path = DOCS / "nonexistent-for-anchors.md"
+    import unittest.mock
+
+    with unittest.mock.patch.object(Path, "read_text", return_value=page):
+        got = anchors(path)
+    assert got == {"a-page", "http2-limits-of-the-relay", "the-systemd-guest-scriptse2e-vm---guest-systemd",
+                   "the-kubelets-own-memory-qos", "notes", "notes-1"}
+
+
 @pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_into_the_repository(path):
     for target in links(path):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, flags=re.I):  # http:, https:, mailto:
             assert target.startswith(("http://", "https://", "mailto:")), target
             continue
-        file_part = target.split("#", 1)[0]
-        if not file_part:  # an anchor in the same page
-            continue
-        resolved = (path.parent / file_part).resolve()
+        file_part, _, fragment = target.partition("#")
+        resolved = (path.parent / file_part).resolve() if file_part else path
         assert resolved.is_relative_to(ROOT), f"{path.name}: {target} leaves the repository"
         assert resolved.exists(), f"{path.name}: {target} does not exist"
+        if fragment and resolved.suffix == ".md":
+            assert fragment in anchors(resolved), f"{path.name}: {target}: no such heading in {resolved.name}"
+
+
+README_MAX_LINES = 250
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+    text = "\n".join(lines)
+    for must in ("memqos-shim serve", "memqos-shim nri", "deploy/install.sh", "deploy/uninstall.sh",
+                 "kubectl apply -k deploy/kubernetes/", "--container-runtime-endpoint", "containerRuntimeEndpoint",
+                 "kubeadm-flags.env", "memqos-shim reset", "docs/install.md", "docs/configuration.md"):
+        assert must in text, f"README.md does not say {must!r}"
+    for kustomization in re.findall(r"kubectl apply -k (deploy/kubernetes/[\w-]+)", text):
+        assert (ROOT / kustomization / "kustomization.yaml").is_file(), kustomization
+
+
+# Words that tell how the code got here instead of how it is. Code (fenced blocks and `spans`)
+# is not prose and is left out: `systemctl enable --now` is a flag.
+HISTORY = re.compile(
+    r"\b[Ii]ssue (?:[A-Z]|\d+)\b|(?i:\bsessions?\b|\brounds? of work\b|\bused to\b"
+    r"|\bnow\b|\bbefore this change\b|\bredesign(?:ed)?\b|\bwas changed\b|\bstill accepted\b"
+    r"|\bearlier (?:names?|version|tables?)\b|\bprevious version\b|\bpreviously\b|\bthese changes\b"
+    r"|\b(?:is|are) to come\b)")
+
+
+def history_phrases(text: str) -> list[str]:
+    prose = re.sub(r"`[^`\n]*`", "", _without_code(text))
+    return [m.group(0) for m in HISTORY.finditer(prose)]
+
+
+def test_the_history_check_catches_narration():
+    assert history_phrases("The redesign of issue I used to write it; it is now a relay (session 2).") == [
+        "redesign", "issue I", "used to", "now", "session"]
+    assert history_phrases("Run `systemctl enable --now memqos-shim`.\n```\nnow\n```\n") == []
+    assert history_phrases("rounded down to a page; memory.high no longer reads max; the issue of runc") == []
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_history_in_the_docs(path):
+    found = history_phrases(path.read_text(encoding="utf-8"))
+    assert found == [], f"{path.relative_to(ROOT)} tells history ({found[:5]}): say how things are instead"
 
 
 def test_docs_index_lists_every_page():

@@ -87,7 +87,7 @@ def layout_rows(doc: Path) -> set[str]:
     return set(re.findall(r"^\| `shim/([a-z_]+)/` \|", section, flags=re.M))
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+@pytest.mark.parametrize("doc", ["docs/architecture.md"])
 def test_the_layout_tables_name_exactly_the_room_folders(doc):
     assert layout_rows(REPO / doc) == rooms()
 

@@ -275,7 +275,7 @@ def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
     ex.add_argument("--qos", choices=["guaranteed", "burstable", "besteffort"],
                     help="QoS class (default: from request and limit)")
     ex.add_argument("--policy", default="Hard", type=_policy_arg, metavar="POLICY",
-                    help="Hard (default), Soft, TieredReservation or None; also the earlier names "
+                    help="Hard (default), Soft, TieredReservation or None; also the aliases "
                          "request, tiered, none")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")

@@ -173,11 +173,11 @@ def _systemd_writes(v: Any) -> str:
 
 def _policy(v: Any) -> Policy:
     """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)
-    or one of the shim's earlier names (request, tiered, none)."""
+    or one of the aliases (request, tiered, none)."""
     try:
         return Policy(str(v))
     except ValueError:
-        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (or the earlier names "
+        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (or the aliases "
                           f"{list(POLICY_ALIASES)}), not {v!r}")
 
 
@@ -274,8 +274,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "Policy", Policy.HARD, _policy,
            "protection policy, named like the kubelet's memoryReservationPolicy: Hard (memory.min = request "
            "for every pod and container with one), Soft (memory.low = request for all), TieredReservation "
-           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); the earlier "
-           "names request (= Hard), tiered (= TieredReservation) and none (= None) are still accepted"),
+           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); the aliases "
+           "request (= Hard), tiered (= TieredReservation) and none (= None) are accepted too"),
     Option("audit-log", "str | None", "-", _optional_path,
            "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
     Option("page-size", "int | None", None, _positive_int,

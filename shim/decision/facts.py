@@ -16,14 +16,14 @@ class QoSClass(str, Enum):
 class Policy(str, Enum):
     """How requests are protected, named after the kubelet's ``memoryReservationPolicy``
     (KubeletConfiguration, KEP-2570: ``None`` and ``TieredReservation`` since v1.36; ``Hard``
-    and ``Soft`` proposed for v1.38). The shim's earlier names stay accepted as aliases:
+    and ``Soft`` proposed for v1.38). The aliases, accepted the same way:
     ``request`` = ``Hard``, ``tiered`` = ``TieredReservation``, ``none`` = ``None``."""
 
-    HARD = "Hard"  # memory.min = request for every pod / container with one (the seed design)
+    HARD = "Hard"  # memory.min = request for every pod / container with one
     SOFT = "Soft"  # memory.low = request for every pod / container with one
     TIERED_RESERVATION = "TieredReservation"  # Guaranteed -> memory.min, Burstable -> memory.low
     NONE = "None"  # no protection keys (memory.high only)
-    # the shim's earlier names (enum aliases: Policy.REQUEST is Policy.HARD)
+    # the aliases (enum aliases: Policy.REQUEST is Policy.HARD)
     REQUEST = "Hard"
     TIERED = "TieredReservation"
 

@@ -1,0 +1,61 @@
+"""docs/configuration.md's table of settings, made from the options table OPTIONS.
+
+`scripts/gen-config` writes the rows between the page's BEGIN_TABLE and END_TABLE lines anew
+(the prose around them is kept), as it writes the field block of shim/app/settings.py;
+tests/test_config.py fails when the committed page is not what this makes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from shim.app.config import OPTIONS, Option
+from shim.decision import Policy
+
+BEGIN_TABLE = "<!-- the table below is generated from OPTIONS (shim/app/config.py) by scripts/gen-config: begin -->\n"
+END_TABLE = "<!-- generated table: end -->\n"
+
+_UNITS = (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10))
+
+
+def _quantity(n: int) -> str:
+    for suffix, size in _UNITS:
+        if n and n % size == 0:
+            return f"{n // size}{suffix}"
+    return str(n)
+
+
+def default_text(o: Option) -> str:
+    """A default as the config file would spell it: `Hard`, `64Mi`, `30`, `true`, none."""
+    value: Any = o.default
+    if value is None:
+        return "none"
+    if isinstance(value, Policy):
+        value = value.value
+    elif isinstance(value, bool):
+        value = "true" if value else "false"
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, int) and o.metavar == "Q":
+        value = _quantity(value)
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def table_rows(options: tuple[Option, ...] = OPTIONS) -> list[str]:
+    rows = ["| flag / YAML key | type | default | meaning |", "|---|---|---|---|"]
+    for o in options:
+        rows.append(f"| `--{o.name}` / `{o.name}` | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
+    return rows
+
+
+def configuration_doc(text: str, options: tuple[Option, ...] = OPTIONS) -> str:
+    """`text` (docs/configuration.md) with the rows between BEGIN_TABLE and END_TABLE made anew
+    from the options table; the rest of the page is kept as it is."""
+    head, begin, rest = text.partition(BEGIN_TABLE)
+    _, end, tail = rest.partition(END_TABLE)
+    if not begin or not end:
+        raise ValueError("configuration.md: the lines that mark the generated table are missing")
+    return head + begin + "\n".join(table_rows(options)) + "\n" + end + tail
