@@ -1053,7 +1053,7 @@ def metric(metrics: dict, name: str, **labels: str) -> float | None:
 
 
 class GuardScenario:
-    """Issue F part 5: the memory.high crawl on a real kernel, without and with the PSI guard.
+    """The memory.high crawl on a real kernel, without and with the PSI guard.
 
     A Burstable container with request 16Mi and limit 96Mi on a node whose kubelet sets
     memoryThrottlingFactor 0.25 gets memory.high = 16Mi + (96Mi - 16Mi) * 0.25 = 36Mi (computed
@@ -1650,7 +1650,7 @@ class GuardScenario:
 
 # -- proactive reclaim on a real kernel -------------------------------------------------------------
 class ReclaimScenario:
-    """Issue J: proactive reclaim (memory.reclaim) on a real kernel, without and with, in one boot.
+    """Proactive reclaim (memory.reclaim) on a real kernel, without and with, in one boot.
 
     The workload is page cache: a busybox reader dd's 2 MiB of a sparse 4 GiB file on an ext4
     filesystem (on a brd ramdisk, or a loop device, mounted read-only into the container)
@@ -2363,7 +2363,7 @@ def stop_gently(cri: "Cri", sandbox_id: str, grace: int = 10) -> None:
     not exited, before the pod's StopPodSandbox: what the kubelet does. StopPodSandbox alone
     SIGKILLs running containers at once; with the runc of Debian trixie and sid unpacked here
     (stacks 1.7 and 2.x) the task delete that follows such a kill sometimes never completes
-    (README, "Stack matrix"); every container of the suite exits on SIGTERM (busybox with a TERM
+    (docs/testing.md, "Stack matrix"); every container of the suite exits on SIGTERM (busybox with a TERM
     trap, e2e/hog.c)."""
     from shim.cri import api_pb2 as pb
 

@@ -312,7 +312,7 @@ class Guest:
     # -- expectations and checks
     def level_expectations(self) -> list[tuple[str, str, str, int, str]]:
         """(unit, cgroup path, file, value, why) for kubepods, the QoS slices and every pod slice
-        (the README's policy `request`)."""
+        (policy `Hard`)."""
         out = []
         burst = sum(p["request"] for p in self.pods.values() if p["qos"] == X.BURSTABLE)
         guar = sum(p["request"] for p in self.pods.values() if p["qos"] == X.GUARANTEED)

@@ -137,7 +137,7 @@ class NriScenario:
     def next_attempt(c: dict) -> dict:
         """The recorded call as the kubelet's next attempt (metadata.attempt 1): the runtime keeps
         a pod or container name reserved until it is removed, and proxy mode's pods, the same
-        pods, may outlive their removal on a slow runtime (README, "Stack matrix")."""
+        pods, may outlive their removal on a slow runtime (docs/testing.md, "Stack matrix")."""
         import base64
 
         from shim.cri import api_pb2 as pb
@@ -399,4 +399,4 @@ class NriScenario:
         if self.proxy is not None:
             self.proxy.teardown()
         if self.nri is not None:  # the last scenario of its VM: its pods go with the VM (removing
-            self.nri.direct.close()  # them takes minutes on the slow stacks, README "Stack matrix")
+            self.nri.direct.close()  # them takes minutes on the slow stacks, docs/testing.md "Stack matrix")

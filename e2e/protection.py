@@ -1,4 +1,4 @@
-"""Protection never drops while pods stay: the real-kernel suite's sampling check (issue L).
+"""Protection never drops while pods stay: the real-kernel suite's sampling check.
 
 Runs inside the guest beside a trace scenario (e2e/guest.py, Scenario). Three parts:
 

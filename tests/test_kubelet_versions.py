@@ -1,5 +1,5 @@
 """Kubelet 1.22 ... 1.38 Memory QoS semantics: the policies named after the kubelet's
-memoryReservationPolicy (with the shim's earlier names as aliases), what each kubelet version
+memoryReservationPolicy (with the aliases request, tiered, none), what each kubelet version
 writes itself (shim.node.kubelet), who owns each value, and the requests such kubelets send
 (shim.testing.kubelet_requests.kubelet_unified, checked against a recorded v1.23 kubelet)."""
 from __future__ import annotations

@@ -9,7 +9,7 @@ is the difference between a run of 3N calls and one of N, divided by 2N (imports
 cancel out).
 
 The measured code is :func:`one_call`, run in a subprocess whose ``sys.path`` starts at the
-version's tree; it also knows the hook API before issue I (``rewrite(method, bytes)``, whose
+version's tree; it also knows the older hook API (``rewrite(method, bytes)``, whose
 rewriter kept each call's record in a dict until ``finished()``: the "rewrite" path there empties
 that dict after each call, as ``finished()`` would, at the cost of one ``clear()``).
 """
@@ -37,7 +37,7 @@ try:
     from shim.node.facts import load_kubelet_config, node_facts
     from shim.testing import kubelet_requests as kr
     from shim.transport.hooks import RpcCall
-except ImportError:  # the tree before the rooms (issue I)
+except ImportError:  # a tree without the rooms (shim/app, shim/node, ...)
     RpcCall = None
     from shim.service import build_container_qos, build_request_hooks
     from shim.node import load_kubelet_config, node_facts

@@ -1,4 +1,4 @@
-"""The benchmark's table: each figure per target, added over direct, against the targets of issue E."""
+"""The benchmark's table: each figure per target, added over direct, against the performance targets."""
 from __future__ import annotations
 
 from shim.tools.bench.workload import TARGETS

@@ -31,7 +31,7 @@ TRACE_PODS, TRACE_CONTAINERS = 6, 8
 PER_CONTAINER = {"ContainerStatus", "ContainerStats"}
 PER_POD = {"PodSandboxStatus", "PodSandboxStats"}
 
-# targets of issue E: metric -> (kind, limit); "added" limits are over direct, same run
+# the performance targets: metric -> (kind, limit); "added" limits are over direct, same run
 TARGETS = {
     "small_p50_us": ("added", 150.0),
     "reply200k_p50_us": ("added", 300.0),

@@ -68,7 +68,7 @@ class NriChecks(CheckBase):
         name = "nri"
         path = self.nri_socket_path()
         config, on = self._runtime_config()
-        enable = ("to run `memqos-shim nri`: switch NRI on (README \"Running as an NRI plugin\": "
+        enable = ("to run `memqos-shim nri`: switch NRI on (docs/nri-mode.md, \"Switching NRI on\": "
                   "containerd 1.7 / CRI-O < 1.30) and restart the runtime; proxy mode does not need it")
         try:
             st = os.lstat(path)
