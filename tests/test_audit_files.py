@@ -286,3 +286,80 @@ def test_nri_reopens_the_audit_log_on_sighup(tmp_path):
         log.close()
     assert proc.returncode == 0
     assert complete_records(tmp_path / "audit.jsonl.1")[0]["event"] == "start"
+
+
+# -- logrotate -----------------------------------------------------------------------------------
+LOGROTATE = ROOT / "deploy" / "logrotate" / "memqos-shim"
+
+
+def test_the_logrotate_rules_name_the_deployed_audit_log_and_signal_the_main_process():
+    import yaml
+
+    text = LOGROTATE.read_text()
+    rules = [line.split("#")[0].strip() for line in text.splitlines()]
+    rules = [r for r in rules if r]
+    audit_log = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())["audit-log"]
+    assert rules[0] == f"{audit_log} {{" and rules[-1] == "}"
+    assert "create 0640 root root" in rules and "copytruncate" not in rules
+    assert "dateext" in rules  # never FILE.1: the shim's own rotation uses those names
+    script = rules[rules.index("postrotate") + 1:rules.index("endscript")]
+    assert script == ["systemctl kill --kill-who=main --signal=HUP memqos-shim.service >/dev/null 2>&1 || true"]
+    assert (ROOT / "deploy" / "memqos-shim.service").exists()
+
+
+@pytest.mark.skipif(not any(os.access(os.path.join(d, "logrotate"), os.X_OK)
+                            for d in ("/usr/sbin", "/usr/bin", "/sbin")), reason="logrotate not installed")
+def test_logrotate_with_the_shipped_rules_rotates_a_running_shim_without_losing_a_record():
+    """The shipped rules, run by logrotate itself against a real `serve` (the path and the signal's
+    target replaced by this test's): three forced rotations with calls in between; every record
+    is in exactly one file, whole, and the shim writes to the file logrotate created."""
+    from shim.testing.fake_runtime import FakeRuntimeServer
+
+    try:
+        from tests.test_serve import Shim, create, run_pod, short_dir
+    except ImportError:  # run from tests/
+        from test_serve import Shim, create, run_pod, short_dir
+
+    base = short_dir()
+    with FakeRuntimeServer(base / "runtime.sock") as runtime:
+        shim = Shim(base, runtime.address, extra=("--reconcile", "false", "--kubelet-version", "1.30"))
+        try:
+            text = LOGROTATE.read_text().replace("/var/log/memqos-shim/audit.jsonl", str(shim.audit))
+            text = text.replace("systemctl kill --kill-who=main --signal=HUP memqos-shim.service",
+                                f"kill -HUP {shim.proc.pid}")
+            text = text.replace("create 0640 root root", "create 0640")
+            assert f"kill -HUP {shim.proc.pid}" in text
+            conf = base / "logrotate.conf"
+            conf.write_text(text)
+            conf.chmod(0o644)
+            created = []
+            for round_ in range(4):
+                sid, sb = run_pod(shim, f"pod{round_}", f"11111111-0000-4000-8000-00000000000{round_}", "burstable")
+                for n in range(3):
+                    cid = create(shim, runtime.runtime, sid, sb, f"c{n}", "burstable", request=64 << 20,
+                                 limit=128 << 20)[0]
+                    created.append(cid)
+                    shim.record_for(cid)
+                if round_ < 3:
+                    time.sleep(1.1)  # a new second for logrotate's dated name (%s)
+                    out = subprocess.run(["logrotate", "-f", "-s", str(base / "logrotate.state"), str(conf)],
+                                         capture_output=True, text=True, timeout=60)
+                    assert out.returncode == 0, out.stderr
+                    assert wait_for(lambda: shim.audit.exists())
+            assert shim.proc.poll() is None
+            last = created[-1]
+        finally:
+            shim.stop()
+    import gzip
+
+    rotated = sorted(p for p in base.iterdir() if p.name.startswith("audit.jsonl-"))
+    assert [p.name.endswith(".gz") for p in rotated] == [True, True, False]  # delaycompress
+    texts = [gzip.open(p, "rt").read() if p.name.endswith(".gz") else p.read_text() for p in rotated]
+    texts.append(shim.audit.read_text())
+    got = []
+    for t in texts:
+        assert t.endswith("\n")
+        got += [json.loads(line) for line in t.splitlines()]
+    creates = [r["container_id"] for r in got if r.get("method") == "CreateContainer"]
+    assert creates == created  # each once, in order, across the four files
+    assert last in texts[-1] and oct(shim.audit.stat().st_mode & 0o777) == "0o640"
