@@ -3,6 +3,7 @@ a symlink planted at their path: refused at start (serve exits 2 with a message)
 by a rename; the link's target stays untouched. New files get a private mode."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -86,17 +87,56 @@ def test_a_symlink_planted_where_the_recorder_reopens_is_refused_not_followed(tm
     rec = Recorder(str(path), {"format": "cri-trace"}, max_bytes=10**6, keep=1, methods=".")
     rec.start()
     try:
-        # the open file goes away and a symlink takes its place before the next open
-        rec._file.close()  # noqa: SLF001  (the state after a failed rotation)
-        rec._file = None  # noqa: SLF001
-        path.unlink()
+        # the file is renamed away (logrotate) and a symlink takes its place before the reopen
+        path.rename(tmp_path / "calls.jsonl.rotated")
         link, target = planted(tmp_path, "calls.jsonl")
+        rec.reopen()
         rec.finished(_call())
         assert rec.flush(10)
     finally:
         rec.close()
     assert target.read_text() == TARGET_TEXT and link.is_symlink()
-    assert rec.write_errors == 1 and rec.recorded == 0
+    assert rec.write_errors == 1 and rec.recorded == 0 and rec.reopens == 1
+
+
+def test_audit_rotation_replaces_planted_symlinks_and_never_writes_through_them(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(str(path), max_bytes=300, keep=2).start()
+    links = [planted(tmp_path, name) for name in ("audit.jsonl.1", "audit.jsonl.2")]
+    links.append(planted(tmp_path, "audit.jsonl.3", dangling=True))  # beyond keep: left alone
+    for i in range(20):
+        log.emit({"event": "x", "i": i, "pad": "p" * 60})
+    log.flush()
+    log.close()
+    assert log.rotations >= 2 and log.write_errors == 0
+    for link, target in links[:2]:
+        assert target.read_text() == TARGET_TEXT
+        assert not link.is_symlink()  # the rotation renamed an audit file over the link
+        assert stat.S_IMODE(link.stat().st_mode) == 0o640
+    assert links[2][0].is_symlink() and not links[2][1].exists()
+
+
+def test_a_symlink_planted_where_the_audit_log_reopens_is_refused_not_followed(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(str(path)).start()
+    try:
+        log.emit({"event": "before"})
+        log.flush()
+        path.rename(tmp_path / "audit.jsonl.rotated")
+        link, target = planted(tmp_path, "audit.jsonl")
+        log.reopen()
+        log.emit({"event": "refused"})
+        log.flush()
+        assert target.read_text() == TARGET_TEXT and link.is_symlink()
+        assert log.write_errors == 1 and log.reopens == 1
+        link.unlink()  # the operator removes it: the next record opens a regular file again
+        log.emit({"event": "after"})
+        log.flush()
+    finally:
+        log.close()
+    assert target.read_text() == TARGET_TEXT
+    assert [json.loads(x)["event"] for x in path.read_text().splitlines()] == ["after"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
 
 
 def test_new_files_get_a_private_mode(tmp_path):

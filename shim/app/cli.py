@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Callable
 
 from shim import __version__, decision
 from shim.app.config import OPTIONS, ConfigError, add_arguments, resolve
@@ -39,6 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shim.effects.files import UnsafeFile
 
     raise_nofile_limit(cfg.max_connections)
+    hold_sighup()
     try:
         service = Service.from_config(cfg)
     except UnsafeFile as e:  # a symlink where the shim writes: a configuration problem
@@ -66,6 +68,7 @@ def cmd_nri(args: argparse.Namespace) -> int:
     from shim.app.nri_front import NriService
     from shim.effects.files import UnsafeFile
 
+    hold_sighup()
     try:
         service = NriService.from_config(cfg)
     except UnsafeFile as e:
@@ -77,11 +80,53 @@ def cmd_nri(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(service, f"NRI plugin on {cfg.nri_socket}"))
 
 
+# -- SIGHUP --------------------------------------------------------------------
+def sighup_actions(service) -> list[Callable[[], None]]:
+    """What SIGHUP does, in this order. An action runs on the event loop (the signal's
+    callback, not the handler itself) and only sets a flag or puts a mark on a queue: the
+    work happens on the thread that owns it."""
+    return [
+        service.reopen_files,  # the audit log and the recorder, before their next record
+    ]
+
+
+def on_sighup(actions: list[Callable[[], None]]) -> None:
+    """Run SIGHUP's actions; one that raises is logged and the others still run."""
+    log.info("SIGHUP: %s", ", ".join(getattr(a, "__name__", repr(a)) for a in actions))
+    for action in actions:
+        try:
+            action()
+        except Exception:
+            log.exception("SIGHUP: %r failed", action)
+
+
+_early_sighup = False
+
+
+def _remember_sighup(signum, frame) -> None:
+    global _early_sighup
+    _early_sighup = True
+
+
+def hold_sighup() -> None:
+    """From here until the event loop takes SIGHUP over, a SIGHUP (logrotate's, while the shim
+    starts) is remembered and acted on then, instead of ending the process."""
+    global _early_sighup
+    _early_sighup = False
+    signal.signal(signal.SIGHUP, _remember_sighup)
+
+
 async def _serve(service, status: str = "") -> int:
+    global _early_sighup
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    actions = sighup_actions(service)
+    loop.add_signal_handler(signal.SIGHUP, on_sighup, actions)
+    if _early_sighup:
+        _early_sighup = False
+        on_sighup(actions)
     await service.start()
     sd_notify(f"READY=1\nSTATUS={status or f'serving on {service.cfg.listen}'}")
     await stop.wait()

@@ -277,7 +277,14 @@ OPTIONS: tuple[Option, ...] = (
            "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); the aliases "
            "request (= Hard), tiered (= TieredReservation) and none (= None) are accepted too"),
     Option("audit-log", "str | None", "-", _optional_path,
-           "audit log file (JSON lines), '-' for stdout, 'none' to discard"),
+           "audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is reopened on SIGHUP "
+           "(logrotate's create mode)"),
+    Option("audit-max-bytes", "int", 64 * 1024 * 1024, _quantity,
+           "rotate the audit log file before a record would push it past this size (quantity; FILE -> "
+           "FILE.1 -> ..., audit-keep files kept, no record split); 0: never by size, for logrotate "
+           "(docs/audit-files.md)", "Q"),
+    Option("audit-keep", "int", 5, _non_negative_int,
+           "rotated audit log files kept: FILE.1 ... FILE.N, the oldest deleted; 0: the file starts over", "N"),
     Option("page-size", "int | None", None, _positive_int,
            "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
@@ -322,7 +329,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("log-level", "str", "info", str, "debug, info, warning or error"),
     Option("record", "str | None", None, _record_path,
            "record every finished CRI call to FILE in the cri-trace format (request as the kubelet sent "
-           "it, forwarded bytes when rewritten, responses, code, timing); default: off", "FILE"),
+           "it, forwarded bytes when rewritten, responses, code, timing), reopened on SIGHUP; default: off", "FILE"),
     Option("record-max-bytes", "int", 64 * 1024 * 1024, _quantity,
            "rotate the record file before it grows past this size (quantity)", "Q"),
     Option("record-keep", "int", 3, _non_negative_int, "rotated record files kept: FILE.1 ... FILE.N", "N"),

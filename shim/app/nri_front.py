@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from shim.app.config import Config
-from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node
+from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node, start_audit
 from shim.container.nri_handler import NriMemoryQoS
 from shim.evidence.audit import AuditLog
 
@@ -77,7 +77,7 @@ class NriService(Service):
     @classmethod
     def from_config(cls, cfg: Config) -> "NriService":
         kubelet, capacity, page, node, v2 = read_node(cfg)
-        audit = AuditLog(cfg.audit_log).start()
+        audit = start_audit(cfg)
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         if protobuf_backend() != "upb":
             log.warning("protobuf backend is %r, not upb: each NRI answer costs ~1 ms instead of ~10 us",

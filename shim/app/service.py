@@ -87,6 +87,11 @@ def read_node(cfg: Config):
     return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
 
 
+def start_audit(cfg: Config) -> AuditLog:
+    """The audit log both front ends write (UnsafeFile / OSError when its file cannot be opened)."""
+    return AuditLog(cfg.audit_log, max_bytes=cfg.audit_max_bytes, keep=cfg.audit_keep).start()
+
+
 def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
     """The transport's CallHooks: the rewriter, then the observers (recorder, ...)."""
     return HookChain(container_qos, observers)
@@ -127,7 +132,7 @@ class Service:
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":
         kubelet, capacity, page, node, v2 = read_node(cfg)
-        audit = AuditLog(cfg.audit_log).start()
+        audit = start_audit(cfg)
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
                                   ownership=owners)
@@ -177,7 +182,7 @@ class Service:
         if cfg.metrics_address:  # prometheus_client costs ~2.5 MiB of RSS: only when used
             from shim.evidence.metrics import build_metrics
 
-            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
+            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder)
         return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
                    monitor=monitor, metrics=metrics, version_pending=pending)
 
@@ -238,6 +243,13 @@ class Service:
         if self.recorder is not None:
             self.recorder.close()
         self.audit.close()
+
+    def reopen_files(self) -> None:
+        """SIGHUP: the audit log and the recorder reopen their files by name before their next
+        record (after logrotate renamed them). Only flags and queue marks: no I/O here."""
+        self.audit.reopen()
+        if self.recorder is not None:
+            self.recorder.reopen()
 
     def kubelet_version_known(self, version: tuple[int, int], how: str) -> None:
         """The kubelet's version was found after start (on the watcher's thread): recompute who

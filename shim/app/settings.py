@@ -50,8 +50,16 @@ class Config:
     #: memory.min/memory.low); the aliases request (= Hard), tiered (= TieredReservation) and none
     #: (= None) are accepted too
     policy: Policy = Policy.HARD
-    #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard
+    #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
+    #: reopened on SIGHUP (logrotate's create mode)
     audit_log: str | None = "-"
+    #: --audit-max-bytes: rotate the audit log file before a record would push it past this size
+    #: (quantity; FILE -> FILE.1 -> ..., audit-keep files kept, no record split); 0: never by size,
+    #: for logrotate (docs/audit-files.md)
+    audit_max_bytes: int = 64 * 1024 * 1024
+    #: --audit-keep: rotated audit log files kept: FILE.1 ... FILE.N, the oldest deleted; 0: the
+    #: file starts over
+    audit_keep: int = 5
     #: --page-size: page size for rounding memory.high; default: the system's
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)
@@ -103,7 +111,8 @@ class Config:
     #: --log-level: debug, info, warning or error
     log_level: str = "info"
     #: --record: record every finished CRI call to FILE in the cri-trace format (request as the
-    #: kubelet sent it, forwarded bytes when rewritten, responses, code, timing); default: off
+    #: kubelet sent it, forwarded bytes when rewritten, responses, code, timing), reopened on
+    #: SIGHUP; default: off
     record: str | None = None
     #: --record-max-bytes: rotate the record file before it grows past this size (quantity)
     record_max_bytes: int = 64 * 1024 * 1024

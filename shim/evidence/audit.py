@@ -5,7 +5,13 @@ a writer thread serializes and writes. If the writer falls behind by more than
 `max_pending` records, new records are dropped and counted (never block a call).
 
 A file target is opened without following a symlink (shim.effects.files): a symlink or a
-non-regular file there raises UnsafeFile at start. A new file is created 0640.
+non-regular file there raises UnsafeFile at start. A new file is created 0640. An existing file
+is appended to. Before a record would push the file past ``max_bytes`` (0: never by size) it is
+rotated: FILE -> FILE.1 -> ... -> FILE.<keep>, the oldest deleted (``keep`` 0: FILE starts
+over). The single writer thread rotates between two records, so every record is whole in one
+file, and the files read oldest to newest hold the records in the order they were written.
+``reopen()`` (SIGHUP) makes the writer close the file and open FILE again before its next
+record: logrotate's ``create`` mode renames the file and signals.
 """
 from __future__ import annotations
 
@@ -16,38 +22,51 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
-from shim.effects.files import open_append
+from shim.effects.files import RotatingFile
 from shim.worker import Worker
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_KEEP = 5
+_REOPEN = object()  # on the queue: wakes the writer to reopen its file
 
 
 class AuditLog(Worker):
     """The audit log and its writer thread (``audit-writer``)."""
 
-    def __init__(self, target: str | TextIO | None, *, max_pending: int = 10000):
-        """target: a file path (appended; never through a symlink), "-" for stdout, an open text stream, or None (discard)."""
+    def __init__(self, target: str | TextIO | None, *, max_pending: int = 10000,
+                 max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP):
+        """target: a file path (appended and rotated; never through a symlink), "-" for stdout,
+        an open text stream, or None (discard). max_bytes and keep apply to a file path."""
         super().__init__("audit-writer", max_pending=max_pending, logger=log)
         self._target = target
         self.dropped = 0
         self.written = 0
+        self.write_errors = 0
+        self.reopens = 0
         self._listeners: list[Callable[[dict], None]] = []
         self._stream: TextIO | None = None
-        self._owns_stream = False
+        self._file: RotatingFile | None = None
+        if isinstance(target, str) and target != "-":
+            self._file = RotatingFile(target, 0o640, max_bytes=max_bytes, keep=keep)
+        self._reopen = False
+
+    @property
+    def rotations(self) -> int:
+        """Size rotations of the audit file since start."""
+        return self._file.rotations if self._file is not None else 0
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:
         """Call fn(record) in the writer thread for every record (metrics, tests)."""
         self._listeners.append(fn)
 
     def start(self) -> "AuditLog":
-        if self._target is None:
-            self._stream = None
+        if self._file is not None:
+            self._file.open()
         elif self._target == "-":
             self._stream = sys.stdout
-        elif isinstance(self._target, str):
-            self._stream = open(open_append(self._target, 0o640), "a", encoding="utf-8", buffering=1)
-            self._owns_stream = True
-        else:
+        elif self._target is not None and not isinstance(self._target, str):
             self._stream = self._target
         super().start()
         return self
@@ -61,13 +80,25 @@ class AuditLog(Worker):
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("audit log writer behind: %d records dropped", self.dropped)
 
+    def reopen(self) -> None:
+        """Have the writer close the file and open it again by name before its next record
+        (SIGHUP, after logrotate renamed it). Sets a flag and puts a mark on the queue: no I/O
+        here, safe from a signal handler's callback."""
+        if self._file is None:
+            return
+        self._reopen = True
+        try:
+            self._queue.put_nowait(_REOPEN)  # wakes an idle writer; when full, the flag suffices
+        except queue.Full:
+            pass
+
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until every record emitted so far is written (tests, shutdown)."""
         self.sync(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self.stop(timeout) and self._owns_stream and self._stream is not None:
-            self._stream.close()
+        if self.stop(timeout) and self._file is not None:
+            self._file.close()
 
     def on_sync(self) -> None:
         if self._stream is not None:
@@ -75,12 +106,33 @@ class AuditLog(Worker):
 
     def handle(self, items: list) -> None:
         for item in items:
+            if self._reopen:
+                self._reopen_file()
+            if item is _REOPEN:
+                continue
             try:
-                line = json.dumps(item, sort_keys=False, default=str)
-                if self._stream is not None:
-                    self._stream.write(line + "\n")
+                line = json.dumps(item, sort_keys=False, default=str) + "\n"
+                if self._file is not None:
+                    self._file.write(line.encode("utf-8"))
+                elif self._stream is not None:
+                    self._stream.write(line)
                 self.written += 1
-                for fn in self._listeners:
+            except Exception as e:  # never let one bad record stop the writer
+                self.write_errors += 1
+                if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                    log.warning("audit record could not be written (%d so far): %s", self.write_errors, e)
+                continue
+            for fn in self._listeners:
+                try:
                     fn(item)
-            except Exception:  # never let one bad record stop the writer
-                log.exception("audit record could not be written")
+                except Exception:
+                    log.exception("audit listener failed")
+
+    def _reopen_file(self) -> None:
+        self._reopen = False
+        self.reopens += 1
+        try:
+            self._file.reopen()
+            log.info("audit log %s reopened", self._file.path)
+        except OSError as e:  # UnsafeFile among them: the next record tries again (a write error)
+            log.warning("audit log: cannot reopen %s: %s", self._file.path, e)

@@ -97,6 +97,27 @@ class _LiveCollector:
     def __init__(self, metrics: "Metrics"):
         self.m = metrics
 
+    @staticmethod
+    def _files(audit, recorder):
+        """The audit log's and the recorder's files: rotations, reopens (SIGHUP), write errors."""
+        writers = [(name, w) for name, w in (("audit", audit), ("record", recorder)) if w is not None]
+        if not writers:
+            return
+        for attr, name, text in (
+                ("rotations", "memqos_file_rotations", "size rotations of the shim's own files (FILE -> FILE.1)"),
+                ("reopens", "memqos_file_reopens", "reopens of the shim's own files by name (SIGHUP)"),
+                ("write_errors", "memqos_file_write_errors", "records that could not be written to the shim's "
+                                                             "own files (full disk, a symlink refused)")):
+            family = CounterMetricFamily(name, text, labels=("file",))
+            for label, w in writers:
+                family.add_metric([label], float(getattr(w, attr, 0)))
+            yield family
+        if recorder is not None:
+            dropped = CounterMetricFamily("memqos_recorder_calls_dropped",
+                                          "calls the recorder dropped because its writer was behind")
+            dropped.add_metric([], float(recorder.dropped))
+            yield dropped
+
     def describe(self):
         return []
 
@@ -108,6 +129,7 @@ class _LiveCollector:
                                           "audit records dropped because the writer was behind")
             dropped.add_metric([], float(audit.dropped))
             yield dropped
+        yield from self._files(audit, m.recorder)
         if m.transport is not None:
             yield from self._transport(m.transport)
         relay = m.relay
@@ -312,6 +334,7 @@ class Metrics:
                           ("action", "threshold_percent", "window_seconds", "cooldown_seconds"), registry=r)
         self.reclaim_info = None  # memqos_reclaim_config, registered only with --reclaim true
         self.audit = None
+        self.recorder = None  # shim.evidence.recorder.Recorder (--record): its files' counters
         self.monitor = None
         self.reconciler = None
         self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
@@ -323,7 +346,10 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     # -- wiring
-    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None) -> "Metrics":
+    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None,
+               recorder=None) -> "Metrics":
+        if recorder is not None:
+            self.recorder = recorder
         if audit is not None:
             self.audit = audit
             audit.add_listener(self.on_audit)
@@ -418,8 +444,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None) -> Metrics | None:
+def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None, recorder=None) -> Metrics | None:
     """The metrics `serve` runs (None without --metrics-address)."""
     if not cfg.metrics_address:
         return None
-    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler)
+    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder)

@@ -16,6 +16,8 @@ with its own header line (node facts and the shim's settings), so each is a comp
 that ``memqos-shim replay`` and ``trace show`` can read on its own. Files are opened without
 following a symlink (shim.effects.files; new files 0600: they hold whole requests); a symlink
 at ``path`` refuses the start, rotation renames (a rename never writes through a symlink).
+``reopen()`` (SIGHUP) makes the writer close the file and open ``path`` again before its next
+line (for logrotate); a new file gets its header.
 
 Which calls: by default every method except the high-volume polling calls in
 ``HIGH_VOLUME_METHODS`` (the kubelet's once-a-second relist, stats and status calls; in
@@ -36,7 +38,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from shim.effects.files import check_not_symlink, open_append
+from shim.effects.files import RotatingFile, check_not_symlink, rotate_names
 from shim.evidence.trace import TraceCall, utc_now
 from shim.worker import Worker
 
@@ -61,7 +63,7 @@ HIGH_VOLUME_METHODS = frozenset({
 ALL_METHODS = "."
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_KEEP = 3
-
+_REOPEN = object()  # on the queue: wakes the writer to reopen its file
 
 
 class MethodFilter:
@@ -121,16 +123,21 @@ class Recorder(Worker):
         self._seq = itertools.count(1)
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._file = None
-        self._size = 0
-        self._calls_in_file = 0
+        # new files 0600: they hold whole requests
+        self._out = RotatingFile(path, 0o600, max_bytes=max_bytes, keep=keep, header=self._header_bytes)
+        self._reopen = False
         self._listeners: list[Callable[[TraceCall], None]] = []
         # counters
         self.recorded = 0
         self.filtered = 0
         self.dropped = 0
         self.write_errors = 0
-        self.rotations = 0
+        self.reopens = 0
+
+    @property
+    def rotations(self) -> int:
+        """Size rotations since start (the one of a previous recording at start not counted)."""
+        return self._out.rotations
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -141,8 +148,8 @@ class Recorder(Worker):
         os.makedirs(directory, exist_ok=True)
         check_not_symlink(self.path)  # UnsafeFile: refused at start, never followed
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-            self._rotate_files()
-        self._open()
+            rotate_names(self.path, self.keep)
+        self._out.open()
         super().start()
         log.info("recording %s to %s (rotate at %d bytes, keep %d)",
                  self.filter.describe(), self.path, self.max_bytes, self.keep)
@@ -159,9 +166,7 @@ class Recorder(Worker):
     def close(self, timeout: float = 5.0) -> None:
         if not self.stop(timeout):
             return
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._out.close()
         if self.dropped:
             log.warning("recorder: %d calls were dropped (writer behind)", self.dropped)
 
@@ -187,6 +192,16 @@ class Recorder(Worker):
                 self._pending_bytes -= size
             self._drop()
 
+    def reopen(self) -> None:
+        """Have the writer close its file and open ``path`` again before its next line (SIGHUP,
+        after logrotate renamed the file). Sets a flag and puts a mark on the queue: no I/O
+        here, safe from a signal handler's callback."""
+        self._reopen = True
+        try:
+            self._queue.put_nowait(_REOPEN)  # wakes an idle writer; when full, the flag suffices
+        except queue.Full:
+            pass
+
     def _drop(self) -> None:
         self.dropped += 1
         if self.dropped == 1 or self.dropped % 1000 == 0:
@@ -194,12 +209,17 @@ class Recorder(Worker):
 
     # -- writer thread -------------------------------------------------------------
     def handle(self, items: list) -> None:
-        for seq, size, call in items:
+        for item in items:
+            if self._reopen:
+                self._reopen_file()
+            if item is _REOPEN:
+                continue
+            seq, size, call = item
             with self._lock:
                 self._pending_bytes -= size
             try:
                 tc = TraceCall.from_finished(call, seq)
-                self._write(tc.to_line().encode("utf-8"))
+                self._out.write(tc.to_line().encode("utf-8"))
                 self.recorded += 1
                 for fn in self._listeners:
                     fn(tc)
@@ -214,50 +234,18 @@ class Recorder(Worker):
         header["created"] = utc_now()
         return (json.dumps(header, default=str) + "\n").encode("utf-8")
 
-    def _open(self) -> None:
-        # never through a symlink (one planted after a rotation fails this open: counted as a
-        # write error and retried at the next call); new files 0600: they hold whole requests
-        f = open(open_append(self.path, 0o600), "ab")
+    def _reopen_file(self) -> None:
+        self._reopen = False
+        self.reopens += 1
         try:
-            data = self._header_bytes()
-            f.write(data)
-            f.flush()
-        except BaseException:
-            f.close()
-            raise
-        self._file = f
-        self._size = len(data)
-        self._calls_in_file = 0
-
-    def _write(self, line: bytes) -> None:
-        if self._file is None:  # a previous rotation failed: try again
-            self._open()
-        if self._calls_in_file and self._size + len(line) > self.max_bytes:
-            self._file.close()
-            self._file = None
-            self._rotate_files()
-            self.rotations += 1
-            self._open()
-        self._file.write(line)
-        self._file.flush()  # one line at a time reaches the kernel: kill -9 keeps it
-        self._size += len(line)
-        self._calls_in_file += 1
-
-    def _rotate_files(self) -> None:
-        if self.keep == 0:
-            os.unlink(self.path)
-            return
-        for i in range(self.keep - 1, 0, -1):
-            older = f"{self.path}.{i}"
-            if os.path.exists(older):
-                os.replace(older, f"{self.path}.{i + 1}")
-        os.replace(self.path, f"{self.path}.1")
+            self._out.reopen()
+            log.info("recorder: %s reopened", self.path)
+        except OSError as e:  # UnsafeFile among them: the next call tries again (a write error)
+            log.warning("recorder: cannot reopen %s: %s", self.path, e)
 
     def rotated_files(self) -> list[str]:
         """The files of this recording, newest first: path, path.1, ..."""
-        out = [self.path]
-        out += [f"{self.path}.{i}" for i in range(1, self.keep + 1) if os.path.exists(f"{self.path}.{i}")]
-        return out
+        return [self.path] + [f for f in self._out.files() if f != self.path]
 
 
 def read_kubelet_config_doc(path: str | None) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from shim.node.facts import KubeletFacts, is_cgroup_v2, load_kubelet_config
 log = logging.getLogger(__name__)
 
 RESET_OPTIONS = tuple(o for o in OPTIONS if o.name in ("cgroup-root", "kubelet-config", "kubelet-version", "audit-log",
-                                                       "log-level", "systemd-writes"))
+                                                       "audit-max-bytes", "audit-keep", "log-level",
+                                                       "systemd-writes"))
 
 
 def _subdirs(fs: CgroupFS, rel: str) -> list[str]:
@@ -119,7 +120,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
     kubelet = load_kubelet_config(cfg.kubelet_config)
     for problem in kubelet.problems:
         log.warning("kubelet config: %s", problem)
-    audit = AuditLog(cfg.audit_log).start()
+    audit = AuditLog(cfg.audit_log, max_bytes=cfg.audit_max_bytes, keep=cfg.audit_keep).start()
     try:
         from shim.node.kubelet import detect_kubelet_version
 
