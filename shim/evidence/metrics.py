@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shim.effects.rollout import MODES
 from shim.guard.sampling import EVENTS
 from shim.transport.hooks import FinishedCall
 from shim.cri.methods import CRI_METHODS_BY_PATH
@@ -102,6 +103,13 @@ class _LiveCollector:
 
     def collect(self):
         m = self.m
+        if m.rollout is not None:
+            mode = GaugeMetricFamily("memqos_mode", "the shim's mode: 1 for the one it runs in (enforce: it rewrites "
+                                     "calls and writes cgroup files; observe: it decides and audits only)",
+                                     labels=("mode",))
+            for name in MODES:
+                mode.add_metric([name], 1.0 if name == m.rollout.mode else 0.0)
+            yield mode
         audit = m.audit
         if audit is not None:
             dropped = CounterMetricFamily("memqos_audit_records_dropped",
@@ -316,6 +324,7 @@ class Metrics:
         self.reconciler = None
         self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
         self.relay = None  # the relay transport: its limit_hits
+        self.rollout = None  # shim.effects.rollout.Rollout: memqos_mode
         r.register(_LiveCollector(self))
         self.observer = CriObserver(self)
         self._server = None
@@ -323,7 +332,8 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     # -- wiring
-    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None) -> "Metrics":
+    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None,
+               rollout=None) -> "Metrics":
         if audit is not None:
             self.audit = audit
             audit.add_listener(self.on_audit)
@@ -346,6 +356,8 @@ class Metrics:
             self.transport = transport
         if relay is not None:
             self.relay = relay
+        if rollout is not None:
+            self.rollout = rollout
         return self
 
     def timed(self, rewriter) -> TimedRewriter:
@@ -418,8 +430,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None) -> Metrics | None:
+def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None, rollout=None) -> Metrics | None:
     """The metrics `serve` runs (None without --metrics-address)."""
     if not cfg.metrics_address:
         return None
-    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler)
+    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler, rollout=rollout)
