@@ -73,13 +73,14 @@ def create(shim: Shim, runtime, uid: str, name: str):
 
 # -- (a) serve in observe: no byte changed on the wire, no cgroup file written -----------------------
 
-@pytest.mark.parametrize("mode", ["observe", "enforce"])
-def test_observe_changes_no_byte_on_the_wire_and_writes_no_cgroup_file(mode):
+@pytest.mark.parametrize("mode, transport", [("observe", "relay"), ("enforce", "relay"), ("observe", "grpc")])
+def test_observe_changes_no_byte_on_the_wire_and_writes_no_cgroup_file(mode, transport):
     base = short_dir()
     tree = FakeCgroupTree(base / "cgroup")
     tree.make_pod("burstable", UID)
     with FakeRuntimeServer(base / "runtime.sock") as server:
-        shim = Shim(base, server.address, extra=("--mode", mode, "--resync-interval", "3600"))
+        shim = Shim(base, server.address, extra=("--mode", mode, "--transport", transport,
+                                                 "--resync-interval", "3600"))
         try:
             before = files_of(tree.root)
             sent, received, cid = create(shim, server.runtime, UID, "obs")
@@ -328,3 +329,43 @@ def test_mode_flag_and_file_key():
     path = Path(short_dir()) / "c.yaml"
     path.write_text("mode: enforce\n")
     assert reread(cfg, str(path)).mode == "observe"  # a flag stays, as at start
+
+
+def test_the_guard_and_reclaim_in_observe_decide_audit_and_write_nothing(tmp_path):
+    from shim.decision.guard import GuardConfig
+    from shim.decision.reclaim import ReclaimConfig
+    from shim.guard.monitor import Monitor
+    from shim.node.facts import KubeletFacts
+    from tests.test_metrics import CID, CID2, UID as POD_UID, Clock, fake_root, pressure_text, ref
+    from tests.test_reclaim_monitor import FakeKernel, container
+
+    root = fake_root(tmp_path)
+    # one container crawls at memory.high (the guard's), one is near it with cache to give (reclaim's)
+    cdir = container(root, CID, current=100 * MI)
+    (cdir / "memory.pressure").write_text(pressure_text(95.0, 90.0))
+    container(root, CID2)
+    pod = root / "kubepods" / "burstable" / f"pod{POD_UID}"
+    records, clock, kernel, rollout = [], Clock(), FakeKernel(), Rollout("observe")
+    monitor = Monitor(cgroup_root=str(root), kubelet=KubeletFacts(source="test", cgroup_driver="cgroupfs"),
+                      guard=GuardConfig(window=30.0, cooldown=60.0), interval=5.0, emit=records.append,
+                      sources=[lambda: [ref(), ref(cid=CID2, name="cache")]], clock=clock, reclaim=ReclaimConfig(),
+                      page_size=4096, episodes=None, rollout=rollout)
+    monitor.fs._write_value = kernel
+    before = files_of(pod)
+    verdicts = []
+    for _ in range(8):  # 0..35 s of crawling at memory.high
+        verdicts += [d.verdict.value for _, d in monitor.tick()]
+        clock.t += 5
+    assert verdicts == ["relax"]
+    assert files_of(pod) == before and kernel.writes == []
+    [relax] = [r for r in records if r["event"] == "guard-relax"]
+    assert (relax["old"], relax["new"], relax["rollout"]) == (str(100 * MI), "max", "observe")
+    [rec] = [r for r in records if r["event"] == "reclaim"]
+    assert rec["writes"] >= 1 and rec["rollout"] == "observe" and rec["freed_bytes"] == 0
+    # enforcing: the guard starts over from the container as it runs, and acts for real
+    rollout.set("enforce")
+    for _ in range(8):
+        verdicts += [d.verdict.value for _, d in monitor.tick()]
+        clock.t += 5
+    assert verdicts == ["relax", "relax"] and (cdir / "memory.high").read_text() == "max\n"
+    assert kernel.writes and "rollout" not in [r for r in records if r["event"] == "guard-relax"][-1]

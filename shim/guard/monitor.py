@@ -116,9 +116,10 @@ class Monitor(Worker):
         self._clock = clock
         # observe (shim.effects.rollout): the guard decides and audits, nothing is written
         self.fs = ContainerCgroups(cgroup_root, rollout=rollout)
-        # containers whose guard state follows a write made only in observe: dropped (back to
-        # watching) once the shim enforces, and never saved as an episode
-        self._observed: set[str] = set()
+        # observe: container id -> the memory.high (None: max) the guard's writes would have left,
+        # which its samples read instead of the file's; dropped (back to watching) once the shim
+        # enforces, and never saved as an episode
+        self._observed: dict[str, int | None] = {}
         self.layout: CgroupLayout | None = None
         self._paths: dict[str, str] = {}  # container id -> relative cgroup dir
         self._history: dict[str, collections.deque[Sample]] = {}
@@ -289,7 +290,7 @@ class Monitor(Worker):
             for cid in [c for c in set(self._history) | set(self._states) if c not in alive]:
                 self._history.pop(cid, None)
                 self._states.pop(cid, None)
-                self._observed.discard(cid)
+                self._observed.pop(cid, None)
             if self.reclaimer is not None:
                 self.reclaimer.forget(alive, now)
             self._last_ref = {r.id: r for r in refs
@@ -353,8 +354,9 @@ class Monitor(Worker):
     # -- the guard
     def _guard(self, ref: ContainerRef, rel: str, r: Reading, now: float):
         high_text = None
+        observe = self.fs.rollout.observe
         sample = Sample(
-            t=now, current=r.current, high=r.high, max=r.max,
+            t=now, current=r.current, high=self._observed.get(ref.id, r.high) if observe else r.high, max=r.max,
             full_avg10=r.pressure.get("full", {}).get("avg10"),
             some_avg10=r.pressure.get("some", {}).get("avg10"),
         )
@@ -387,7 +389,6 @@ class Monitor(Worker):
             "window": self.guard.window,
             "cooldown": self.guard.cooldown,
         }
-        observe = self.fs.rollout.observe
         if d.write is not None:
             expect = "max" if d.verdict is Verdict.RESTORE else str(r.high)
             try:
@@ -402,7 +403,7 @@ class Monitor(Worker):
             high_text = d.write
             if observe:
                 record["rollout"] = OBSERVE
-                self._observed.add(ref.id)
+                self._observed[ref.id] = None if d.write == "max" else int(d.write)
             else:
                 r.high = None if d.write == "max" else int(d.write)  # what is in force now
         self._states[ref.id] = d.state
