@@ -215,7 +215,7 @@ class CgroupTree:
         memory.current is read before and after through the same directory fd. EAGAIN is an
         outcome (partial reclaim), not an error. FileNotFoundError when the cgroup is gone,
         ReclaimUnsupported when it has no memory.reclaim; other OSErrors pass through.
-        ``observe`` (default: the rollout's mode now): nothing is asked, nothing freed."""
+        ``observe`` (default: the rollout's mode at the call): nothing is asked, nothing freed."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"bad reclaim size {nbytes!r}")
         dfd = self._open_dir(self.check(rel))

@@ -59,7 +59,7 @@ class ContainerCgroups(CgroupTree):
               observe: bool | None = None) -> str:
         """Write value to rel/name. With ``expect``, only when the file holds it (stripped);
         ValueError otherwise. Returns what the file held. ``observe`` (default: the rollout's
-        mode now): read only, write nothing, and no ``expect`` check (in observe the file holds
+        mode at the call): read only, write nothing, and no ``expect`` check (in observe the file holds
         what the container really runs with, not what an earlier would-write left)."""
         if name not in WRITE_FILES:
             raise PathRefused(f"{name!r} is not a file the monitor writes")
