@@ -230,7 +230,8 @@ class NriMemoryQoS(Handler):
             if CONTAINER_ANNOTATION in annotations:
                 self._safe(lambda: self._remember(pod, c))
             elif c.state != pb.CONTAINER_STOPPED:
-                made = self._safe(lambda: self._create(pod, c, "Synchronize", observe=observe), "Synchronize", pod, c)
+                made = self._safe(lambda: self._create(pod, c, "Synchronize", observe=observe), "Synchronize", pod, c,
+                                  observe=observe)
                 if made is not None:
                     adjust, unified, annotations, _ = made
                     keys = dict(adjust.linux.resources.unified) if adjust is not None else {}
@@ -287,12 +288,13 @@ class NriMemoryQoS(Handler):
             pass
         self._emit(tag(record, observe))
 
-    def _safe(self, fn: Callable[[], Any], method: str = "", pod: Any = None, container: Any = None):
+    def _safe(self, fn: Callable[[], Any], method: str = "", pod: Any = None, container: Any = None, *,
+              observe: bool = False):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001
             if method:
-                self._failed(method, pod, container, e)
+                self._failed(method, pod, container, e, observe)
             else:
                 self.errors += 1
                 log.exception("NRI: cannot make a node event")
