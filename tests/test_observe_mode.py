@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shim.container.nri_handler import NriMemoryQoS
+from shim.cri import pb
 from shim.decision import NodeFacts, Policy
 from shim.effects import CgroupFS, ContainerCgroups
 from shim.effects.rollout import Rollout
@@ -61,6 +62,11 @@ def pod_write(tree: FakeCgroupTree, uid: str):
     return lambda r: r.get("event") == "cgroup-write" and r.get("path") == pod_dir and r.get("file") == "memory.min"
 
 
+def serving(shim: Shim) -> None:
+    """Wait until the shim answers (its socket file exists a moment before it listens)."""
+    shim.rt.Version(pb.VersionRequest(), timeout=30, wait_for_ready=True)
+
+
 def create(shim: Shim, runtime, uid: str, name: str):
     """A Burstable pod (64Mi request, 256Mi limit) and its container, through the shim: (what
     the kubelet sent, what the runtime received, the container id)."""
@@ -79,9 +85,9 @@ def test_observe_changes_no_byte_on_the_wire_and_writes_no_cgroup_file(mode, tra
     tree = FakeCgroupTree(base / "cgroup")
     tree.make_pod("burstable", UID)
     with FakeRuntimeServer(base / "runtime.sock") as server:
-        shim = Shim(base, server.address, extra=("--mode", mode, "--transport", transport,
-                                                 "--resync-interval", "3600"))
+        shim = Shim(base, server.address, extra=("--mode", mode, "--transport", transport, "--resync-interval", "3600"))
         try:
+            serving(shim)
             before = files_of(tree.root)
             sent, received, cid = create(shim, server.runtime, UID, "obs")
             update = update_resources(cid, limit=512 * MI, oom_score_adj=oom_score_adj("burstable", 64 * MI, CAPACITY))
@@ -119,6 +125,7 @@ def test_sighup_switches_observe_to_enforce_and_a_bad_file_keeps_the_mode():
         shim = Shim(base, server.address, extra=("--config", str(config), "--resync-interval", "3600",
                                                  "--metrics-address", "127.0.0.1:0"))
         try:
+            serving(shim)
             sent, received, _ = create(shim, server.runtime, UID, "first")
             assert received == sent
             wait_for(shim, pod_write(tree, UID), "for the first pod (observe)")
