@@ -376,3 +376,40 @@ def test_the_guard_and_reclaim_in_observe_decide_audit_and_write_nothing(tmp_pat
         clock.t += 5
     assert verdicts == ["relax", "relax"] and (cdir / "memory.high").read_text() == "max\n"
     assert kernel.writes and "rollout" not in [r for r in records if r["event"] == "guard-relax"][-1]
+
+
+def test_reload_mode_without_a_file_and_with_the_flag_given(tmp_path, caplog):
+    import argparse
+    import logging
+
+    from shim.app.config import add_arguments, resolve
+    from shim.app.reload import reload_mode
+    from shim.app.service import Service
+
+    def service(argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        s = object.__new__(Service)  # what reload_mode and set_mode use of a running Service
+        s.cfg, s.reconciler = resolve(p.parse_args(argv)), None
+        s.rollout = Rollout(s.cfg.mode)
+        s.audit = type("Audit", (), {"records": [], "emit": lambda self, r: self.records.append(r)})()
+        return s
+
+    caplog.set_level(logging.INFO)
+    s = service(["--mode", "observe"])
+    assert reload_mode(s, None) == "observe" and s.audit.records == []
+    assert "started without --config" in caplog.text
+    path = tmp_path / "c.yaml"
+    path.write_text("mode: enforce\n")
+    s = service(["--mode", "observe", "--config", str(path)])
+    assert reload_mode(s, str(path)) == "observe" and s.rollout.observe  # the flag wins, as at start
+    assert "given by the --mode flag" in caplog.text
+    s = service(["--config", str(path)])
+    path.write_text("mode: observe\n")
+    assert reload_mode(s, str(path)) == "observe" and s.rollout.observe and s.cfg.mode == "observe"
+    assert [r["event"] for r in s.audit.records] == ["mode", "config-reload"]
+    assert reload_mode(s, str(path)) == "observe"  # unchanged: no switch audited
+    assert [r["event"] for r in s.audit.records] == ["mode", "config-reload", "config-reload"]
+    path.write_text("mode: [observe\n")
+    assert reload_mode(s, str(path)) == "observe"
+    assert s.audit.records[-1]["event"] == "config-reload-error" and "not YAML" in s.audit.records[-1]["error"]
