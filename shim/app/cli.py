@@ -49,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
-    return asyncio.run(_serve(service))
+    return asyncio.run(_serve(service, config_path=args.config))
 
 
 # -- nri -----------------------------------------------------------------------
@@ -77,7 +77,7 @@ def cmd_nri(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
-    return asyncio.run(_serve(service, f"NRI plugin on {cfg.nri_socket}"))
+    return asyncio.run(_serve(service, f"NRI plugin on {cfg.nri_socket}", config_path=args.config))
 
 
 # -- SIGHUP --------------------------------------------------------------------
@@ -116,14 +116,20 @@ def hold_sighup() -> None:
     signal.signal(signal.SIGHUP, _remember_sighup)
 
 
-async def _serve(service, status: str = "") -> int:
+async def _serve(service, status: str = "", config_path: str | None = None) -> int:
     global _early_sighup
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    actions = sighup_actions(service)
+    hup = asyncio.Event()  # set by SIGHUP; the config file is read again by _on_sighup
+
+    def reload_config() -> None:
+        hup.set()
+
+    actions = sighup_actions(service) + [reload_config]
     loop.add_signal_handler(signal.SIGHUP, on_sighup, actions)
+    reloads = asyncio.ensure_future(_on_sighup(hup, service, config_path))
     if _early_sighup:
         _early_sighup = False
         on_sighup(actions)
@@ -132,8 +138,23 @@ async def _serve(service, status: str = "") -> int:
     await stop.wait()
     log.info("stopping")
     sd_notify("STOPPING=1")
+    reloads.cancel()
     await service.stop()
     return 0
+
+
+async def _on_sighup(hup: asyncio.Event, service, config_path: str | None) -> None:
+    """Each SIGHUP: the config file's mode applied (shim.app.reload), in a worker thread so
+    that the event loop never waits for the file."""
+    from shim.app.reload import reload_mode
+
+    while True:
+        await hup.wait()
+        hup.clear()
+        try:
+            await asyncio.to_thread(reload_mode, service, config_path)
+        except Exception:  # noqa: BLE001 - a reload never stops the shim
+            log.exception("SIGHUP: reload failed; the running settings are kept")
 
 
 def sd_notify(state: str) -> bool:

@@ -27,6 +27,7 @@ import yaml
 from shim.app.settings import FIELDS, Config
 from shim.decision import POLICY_ALIASES, Policy
 from shim.decision.quantity import QuantityError, parse_bytes
+from shim.effects.rollout import MODES
 
 
 class ConfigError(ValueError):
@@ -144,6 +145,13 @@ def _percent(v: Any) -> float:
     return n
 
 
+def _mode(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in MODES:
+        raise ConfigError(f"mode must be one of {list(MODES)}, not {v!r}")
+    return t
+
+
 def _guard_action(v: Any) -> str:
     t = str(v).strip().lower()
     if t not in ("relax", "none"):
@@ -255,6 +263,10 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
+    Option("mode", "str", "enforce", _mode,
+           "enforce (rewrite calls, write cgroup files) or observe (decide, audit and count exactly as enforce "
+           "would, but forward every call unchanged and write no cgroup file); the config file's mode is applied "
+           "again on SIGHUP, without a restart"),
     Option("listen", "str", "unix:///run/memqos-shim/memqos-shim.sock", str,
            "socket the kubelet connects to (unix:///path or /path)"),
     Option("upstream", "str", "unix:///run/containerd/containerd.sock", str,
@@ -449,6 +461,26 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
         except ConfigError as e:
             raise ConfigError(f"--{o.name}: {e}") from None
         origin[attr] = where
+    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
+
+
+def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Config:
+    """The settings a start would resolve now: ``cfg``'s values that came from flags (flags are
+    not read again), over the file at ``path`` as it is now, over the defaults. ConfigError
+    for an unreadable file, an unknown key or a bad value, as at start."""
+    from_file = load_file(path)
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for o in options:
+        attr = o.name.replace("-", "_")
+        if cfg.origin.get(attr) == "flag":
+            values[attr], origin[attr] = getattr(cfg, attr), "flag"
+        elif o.name in from_file:
+            try:
+                values[attr] = o.parse(from_file[o.name])
+            except ConfigError as e:
+                raise ConfigError(f"config file {path}: {o.name}: {e}") from None
+            origin[attr] = "file"
     return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
 
 

@@ -18,8 +18,9 @@ import asyncio
 import logging
 
 from shim.app.config import Config
-from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node, start_audit
+from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node, say_mode, start_audit
 from shim.container.nri_handler import NriMemoryQoS
+from shim.effects.rollout import Rollout
 from shim.evidence.audit import AuditLog
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 CONNECTING = "connecting"
 
 
-def build_nri_reconciler(cfg: Config, kubelet, node, emit, ownership=None):
+def build_nri_reconciler(cfg: Config, kubelet, node, emit, ownership=None, rollout=None):
     """The reconciler of NRI mode: no runtime client; it waits for the first listing."""
     if not cfg.reconcile:
         return None
@@ -36,7 +37,8 @@ def build_nri_reconciler(cfg: Config, kubelet, node, emit, ownership=None):
     return Reconciler(cgroup_root=cfg.cgroup_root, kubelet=kubelet, policy=cfg.policy, capacity=node.capacity,
                       page_size=node.page_size, emit=emit, client_factory=None,
                       resync_interval=cfg.resync_interval, ownership=ownership,
-                      systemd_writes=cfg.systemd_writes, allocatable=node.allocatable, wait_for_listing=True)
+                      systemd_writes=cfg.systemd_writes, allocatable=node.allocatable, wait_for_listing=True,
+                      rollout=rollout)
 
 
 def listing_rebuild(capacity: int):
@@ -63,6 +65,7 @@ class NriService(Service):
 
         self.cfg, self.node, self.kubelet, self.audit = cfg, node, kubelet, audit
         self.container_qos = self.handler = handler
+        self.rollout = handler.rollout
         self.recorder = None
         self.proxy = None
         self.reconciler, self.monitor, self.metrics = reconciler, monitor, metrics
@@ -79,11 +82,12 @@ class NriService(Service):
         kubelet, capacity, page, node, v2 = read_node(cfg)
         audit = start_audit(cfg)
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
+        rollout = Rollout(cfg.mode)
         if protobuf_backend() != "upb":
             log.warning("protobuf backend is %r, not upb: each NRI answer costs ~1 ms instead of ~10 us",
                         protobuf_backend())
         audit.emit({
-            "event": "start", "mode": "nri", "nri_socket": cfg.nri_socket, "nri_index": "%02d" % cfg.nri_index,
+            "event": "start", "mode": "nri", "rollout": rollout.mode, "nri_socket": cfg.nri_socket, "nri_index": "%02d" % cfg.nri_index,
             "capacity": capacity, "allocatable": node.allocatable, "factor": node.factor, "page_size": page,
             "policy": cfg.policy.value, "cgroup_v2": v2, "kubelet_config": kubelet.source or None,
             "cgroup_driver": kubelet.cgroup_driver, "kubelet_memory_qos_gate": kubelet.memory_qos_gate,
@@ -95,20 +99,22 @@ class NriService(Service):
                  capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
         for line in owners.lines():
             log.info("owner: %s", line)
-        reconciler = build_nri_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
+        say_mode(rollout)
+        reconciler = build_nri_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
         reason = "" if v2 else f"{cfg.cgroup_root}/cgroup.controllers not found (not cgroup v2)"
         handler = NriMemoryQoS(node, cfg.policy, audit.emit, ownership=owners, enabled=v2, disabled_reason=reason,
                                enqueue=reconciler.submit if reconciler is not None else None,
-                               rebuild=listing_rebuild(capacity) if reconciler is not None else None)
+                               rebuild=listing_rebuild(capacity) if reconciler is not None else None,
+                               rollout=rollout)
         from shim.guard.monitor import build_monitor
 
-        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=handler, reconciler=reconciler) \
-            if v2 else None
+        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=handler, reconciler=reconciler,
+                                rollout=rollout) if v2 else None
         metrics = None
         if cfg.metrics_address:
             from shim.evidence.metrics import build_metrics
 
-            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler)
+            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, rollout=rollout)
         return cls(cfg, node, kubelet, audit, handler, reconciler=reconciler, monitor=monitor, metrics=metrics,
                    version_pending=pending)
 

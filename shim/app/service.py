@@ -14,6 +14,7 @@ from typing import Any
 from shim.app.config import Config
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CRI_METHODS
+from shim.effects.rollout import OBSERVE, Rollout
 from shim.evidence.audit import AuditLog
 from shim.node.facts import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
 from shim.transport.hooks import CallHooks, RpcCall
@@ -45,12 +46,14 @@ class HookChain:
 
 
 def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "",
-                        ownership=None) -> ContainerMemoryQoS:
+                        ownership=None, rollout: Rollout | None = None) -> ContainerMemoryQoS:
     """The CreateContainer / UpdateContainerResources rewriter exactly as `serve` builds it
     (`memqos-shim replay` builds its request path with this too). ``ownership``
-    (shim.node.kubelet.Ownership): the unified keys the kubelet owns are forwarded unchanged."""
+    (shim.node.kubelet.Ownership): the unified keys the kubelet owns are forwarded unchanged.
+    ``rollout``: enforce or observe (shim.effects.rollout), shared with the cgroup writers."""
     reason = "" if cgroup_v2 else f"{cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
-    return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership)
+    return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership,
+                              rollout=rollout)
 
 
 VERSION_PENDING = "auto: not known yet, `kubelet --version` runs in the background"
@@ -111,6 +114,8 @@ class Service:
         self.kubelet = kubelet
         self.audit = audit
         self.container_qos = container_qos
+        # enforce or observe, shared by the rewriter and every cgroup writer (set_mode switches it)
+        self.rollout = container_qos.rollout
         self.recorder = recorder  # shim.evidence.recorder.Recorder with --record
         self.hooks = build_request_hooks(container_qos, [recorder] if recorder is not None else [])
         self.proxy = None
@@ -134,13 +139,15 @@ class Service:
         kubelet, capacity, page, node, v2 = read_node(cfg)
         audit = start_audit(cfg)
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
+        rollout = Rollout(cfg.mode)
         qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
-                                  ownership=owners)
+                                  ownership=owners, rollout=rollout)
         backend = protobuf_backend()
         if backend != "upb":
             log.warning("protobuf backend is %r, not upb: each rewrite costs ~1 ms instead of ~10 us", backend)
         start_record = {
             "event": "start",
+            "rollout": rollout.mode,
             "listen": cfg.listen,
             "upstream": cfg.upstream,
             "capacity": capacity,
@@ -170,19 +177,22 @@ class Service:
             log.warning("kubelet: %s", assumption)
         for line in owners.lines():
             log.info("owner: %s", line)
+        say_mode(rollout)
         recorder = start_recorder(cfg, node, kubelet, capacity, v2, writes.version) \
             if cfg.record else None
         from shim.node.reconciler import build_reconciler
 
-        reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
+        reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
         from shim.guard.monitor import build_monitor
 
-        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler) if v2 else None
+        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler,
+                                rollout=rollout) if v2 else None
         metrics = None
         if cfg.metrics_address:  # prometheus_client costs ~2.5 MiB of RSS: only when used
             from shim.evidence.metrics import build_metrics
 
-            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder)
+            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder,
+                                    rollout=rollout)
         return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
                    monitor=monitor, metrics=metrics, version_pending=pending)
 
@@ -289,6 +299,21 @@ class Service:
             log.warning("ownership changed now that the kubelet's version is known: %s %s -> %s (%s)",
                         what, c["from"], c["to"], c["why"])
 
+    def set_mode(self, mode: str, why: str) -> bool:
+        """Switch between enforce and observe while running (any thread): one assignment the
+        rewriter, the NRI handler and every cgroup writer see from their next call or write;
+        audited. Going to enforce, the reconciler makes a full pass at once from what the files
+        hold. Whether the mode changed."""
+        before = self.rollout.mode
+        if not self.rollout.set(mode):
+            return False
+        self.audit.emit({"event": "mode", "from": before, "to": mode, "why": why})
+        log.warning("mode %s -> %s (%s)", before, mode, why)
+        say_mode(self.rollout)
+        if mode != OBSERVE and self.reconciler is not None:
+            self.reconciler.enforce_now(f"mode {before} -> {mode}")
+        return True
+
     def start_metrics_server(self) -> None:
         """Serve /metrics. Metrics are not worth the node: a bind failure is logged and audited,
         the shim keeps serving the kubelet."""
@@ -305,6 +330,11 @@ class Service:
             log.warning("metrics on %s are reachable from the network: they name pods and containers", address)
         log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
         self.audit.emit({"event": "metrics", "address": f"{host}:{port}"})
+
+
+def say_mode(rollout: Rollout) -> None:
+    if rollout.observe:
+        log.warning("mode observe: calls are decided and audited, forwarded unchanged; no cgroup file is written")
 
 
 def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool, kubelet_version=None):

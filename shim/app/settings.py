@@ -25,6 +25,10 @@ class Config:
     """Settings of the shim; attribute names use underscores (cfg.node_allocatable)."""
 
     # -- fields generated from OPTIONS by scripts/gen-config: begin
+    #: --mode: enforce (rewrite calls, write cgroup files) or observe (decide, audit and count
+    #: exactly as enforce would, but forward every call unchanged and write no cgroup file); the
+    #: config file's mode is applied again on SIGHUP, without a restart
+    mode: str = "enforce"
     #: --listen: socket the kubelet connects to (unix:///path or /path)
     listen: str = "unix:///run/memqos-shim/memqos-shim.sock"
     #: --upstream: the runtime's CRI socket (containerd or CRI-O)

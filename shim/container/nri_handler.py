@@ -6,6 +6,10 @@ decision sets (keys the kubelet owns are left as they are), UpdateContainer a Co
 for the same container, Synchronize updates for the containers that were created without us.
 Every answer is audited like the rewriter's, with ``mode: nri``.
 
+In observe (``shim.effects.rollout``) everything is decided and audited as in enforce (the
+records tagged ``"rollout": "observe"``, with the ``adjust`` enforce would send) and the answers
+are empty: no adjustment, no update. The node events are the ones enforce makes.
+
 What the runtime tells about pods and containers becomes the node state's typed events
 (``shim.decision.events``) handed to ``enqueue`` (the reconciler's queue: a put, never a wait);
 Synchronize becomes one ``Rebuild`` of the node state, queued before any event after it.
@@ -25,6 +29,7 @@ from shim.container.rewriter import ContainerMemoryQoS, KnownContainer, containe
 from shim.decision import OWNED_KEYS, Decision, NodeFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.decision.memory import NEUTRAL
 from shim.decision.pod import CONTAINER_ANNOTATION, parse_annotation
+from shim.effects.rollout import Rollout, tag
 from shim.nri import api_pb2 as pb
 from shim.nri import facts as nf
 from shim.nri.handler import DEFAULT_EVENTS, Handler, unified_update
@@ -60,10 +65,11 @@ class NriMemoryQoS(Handler):
     def __init__(self, node: NodeFacts, policy: Policy, emit: Callable[[dict], None], *,
                  enqueue: Callable[[Any], None] | None = None, ownership=None, enabled: bool = True,
                  disabled_reason: str = "", rebuild: Callable[[list], Any] | None = None,
-                 clock: Callable[[], int] = time.time_ns):
+                 clock: Callable[[], int] = time.time_ns, rollout: Rollout | None = None):
         # the decision and its audit record are the rewriter's, as they are in proxy mode
         self.qos = ContainerMemoryQoS(node, policy, emit, enabled=enabled, disabled_reason=disabled_reason,
-                                      ownership=ownership)
+                                      ownership=ownership, rollout=rollout)
+        self.rollout = self.qos.rollout
         self._emit = emit
         self._enqueue = enqueue
         self._rebuild = rebuild  # events of a Synchronize -> the reconciler's queue item
@@ -91,15 +97,16 @@ class NriMemoryQoS(Handler):
 
     def create_container(self, pod: pb.PodSandbox, container: pb.Container) -> pb.ContainerAdjustment | None:
         start = self._clock()
+        observe = self.rollout.observe
         try:
-            adjust, unified, annotations, facts = self._create(pod, container)
+            adjust, unified, annotations, facts = self._create(pod, container, observe=observe)
         except Exception as e:  # noqa: BLE001 - fail open: the container is created as asked
-            self._failed("CreateContainer", pod, container, e)
+            self._failed("CreateContainer", pod, container, e, observe)
             adjust, unified, annotations, facts = None, container.linux.resources.unified, container.annotations, None
         done = self._clock()
         self._event(lambda: nf.container_created(pod, container, unified, annotations, start, done, facts=facts))
         self._running_beside(pod.id or container.pod_sandbox_id, container.id, done)
-        return adjust
+        return None if observe else adjust
 
     def _running_beside(self, sandbox_id: str, cid: str, at: int) -> None:
         """Every container of the pod created and not stopped is still running when ``cid`` is
@@ -115,7 +122,8 @@ class NriMemoryQoS(Handler):
         if len(running) < MAX_CONTAINERS_PER_POD:
             running.add(cid)
 
-    def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer"):
+    def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer", *,
+                observe: bool = False):
         qos = self.qos
         facts = nf.pod_facts(pod, container)
         kubelet = nf.container_facts(container)
@@ -138,21 +146,23 @@ class NriMemoryQoS(Handler):
             adjust.annotations[CONTAINER_ANNOTATION] = note
         self.containers[container.id] = KnownContainer(container.pod_sandbox_id or pod.id, container.name, facts,
                                                        decision.qos, decision.request)
-        self._emit({**self._base(method, pod, container), **qos.describe(decision, owns),
-                    "event": "rewrite" if keys else "unchanged", "adjust": keys})
+        self._emit(tag({**self._base(method, pod, container), **qos.describe(decision, owns),
+                        "event": "rewrite" if keys else "unchanged", "adjust": keys}, observe))
         return adjust, {**unified, **keys}, {**annotations, CONTAINER_ANNOTATION: note}, (facts, kubelet)
 
     def update_container(self, pod: pb.PodSandbox, container: pb.Container,
                          resources: pb.LinuxResources) -> Sequence[pb.ContainerUpdate]:
+        observe = self.rollout.observe
         try:
-            update, unified = self._update(pod, container, resources)
+            update, unified = self._update(pod, container, resources, observe)
         except Exception as e:  # noqa: BLE001
-            self._failed("UpdateContainer", pod, container, e)
+            self._failed("UpdateContainer", pod, container, e, observe)
             update, unified = (), resources.unified
         self._event(lambda: nf.container_updated(container.id, unified, resources.unified, resources))
-        return update
+        return () if observe else update
 
-    def _update(self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources):
+    def _update(self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources,
+                observe: bool = False):
         qos = self.qos
         if not qos.enabled:
             return (), resources.unified
@@ -171,9 +181,10 @@ class NriMemoryQoS(Handler):
         decision = decide(nf.pod_facts(pod, container), facts, qos.node, qos.policy, override, reset_absent=True,
                           kubelet_owns=owns)
         keys = adjustment_keys(decision, owns)
-        self._emit({**self._base("UpdateContainer", pod, container), **qos.describe(decision, owns),
-                    "event": "rewrite" if keys else "unchanged", "adjust": keys,
-                    **({"request_remembered": True} if known is not None and override is known.request else {})})
+        self._emit(tag({**self._base("UpdateContainer", pod, container), **qos.describe(decision, owns),
+                        "event": "rewrite" if keys else "unchanged", "adjust": keys,
+                        **({"request_remembered": True} if known is not None and override is known.request else {})},
+                       observe))
         if not keys:
             return (), resources.unified
         return [unified_update(container.id, keys)], {**resources.unified, **keys}
@@ -203,6 +214,7 @@ class NriMemoryQoS(Handler):
         may be the guard's (a relaxed memory.high) or the kubelet's since."""
         self.syncs += 1
         now = self._clock()
+        observe = self.rollout.observe
         by_id = {p.id: p for p in pods}
         events: list = []
         updates: list = []
@@ -218,7 +230,8 @@ class NriMemoryQoS(Handler):
             if CONTAINER_ANNOTATION in annotations:
                 self._safe(lambda: self._remember(pod, c))
             elif c.state != pb.CONTAINER_STOPPED:
-                made = self._safe(lambda: self._create(pod, c, "Synchronize"), "Synchronize", pod, c)
+                made = self._safe(lambda: self._create(pod, c, "Synchronize", observe=observe), "Synchronize", pod, c,
+                                  observe=observe)
                 if made is not None:
                     adjust, unified, annotations, _ = made
                     keys = dict(adjust.linux.resources.unified) if adjust is not None else {}
@@ -238,9 +251,9 @@ class NriMemoryQoS(Handler):
                 self.running.setdefault(c.pod_sandbox_id, set()).add(c.id)
         if self._rebuild is not None:
             self._put(self._rebuild(events))
-        self._emit({"event": "nri-synchronize", "mode": "nri", "pods": len(pods), "containers": len(containers),
-                    "updates": len(updates)})
-        return updates
+        self._emit(tag({"event": "nri-synchronize", "mode": "nri", "pods": len(pods), "containers": len(containers),
+                        "updates": len(updates)}, observe))
+        return [] if observe else updates
 
     def _remember(self, pod: pb.PodSandbox, c: pb.Container) -> None:
         """A container we created before (our annotation says what was decided): remembered for
@@ -264,7 +277,7 @@ class NriMemoryQoS(Handler):
                 "container": container.name, "container_id": container.id,
                 "sandbox_id": container.pod_sandbox_id or pod.id}
 
-    def _failed(self, method: str, pod: Any, container: Any, e: Exception) -> None:
+    def _failed(self, method: str, pod: Any, container: Any, e: Exception, observe: bool = False) -> None:
         self.errors += 1
         log.exception("policy error on NRI %s; answering with no adjustment", method)
         record = {"event": "fail-open", "method": method, "mode": "nri",
@@ -273,14 +286,15 @@ class NriMemoryQoS(Handler):
             record.update(self._base(method, pod, container), event="fail-open")
         except Exception:  # noqa: BLE001 - the record goes out with what is known
             pass
-        self._emit(record)
+        self._emit(tag(record, observe))
 
-    def _safe(self, fn: Callable[[], Any], method: str = "", pod: Any = None, container: Any = None):
+    def _safe(self, fn: Callable[[], Any], method: str = "", pod: Any = None, container: Any = None, *,
+              observe: bool = False):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001
             if method:
-                self._failed(method, pod, container, e)
+                self._failed(method, pod, container, e, observe)
             else:
                 self.errors += 1
                 log.exception("NRI: cannot make a node event")

@@ -3,6 +3,11 @@ and UpdateContainerResources (the transport's CallHooks) and audits every decisi
 
 Parsing and deciding happen here; the arithmetic is in shim.decision. Any error
 forwards the kubelet's original bytes and leaves a fail-open audit record.
+
+In observe (``shim.effects.rollout``) every call is parsed, decided and audited as in enforce
+(the record tagged ``"rollout": "observe"``), and the kubelet's own bytes go upstream. The
+call keeps the message as enforce would have sent it (``RpcCall.parsed``, with the decision),
+so the node state is fed what enforce would have made of the call.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from shim.cri.methods import CREATE_CONTAINER, REMOVE_CONTAINER, REMOVE_POD_SAND
 from shim.decision import Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.decision.pod import CONTAINER_ANNOTATION  # noqa: F401  (re-exported for callers)
 from shim.decision.request import resolve_request  # noqa: F401  (re-exported for callers)
+from shim.effects.rollout import OBSERVE, Rollout
 from shim.transport.hooks import RpcCall
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,21 @@ def container_note(request_bytes: int, source: str, qos: str, cgroup_parent: str
         int.__repr__(int(request_bytes)), _json_string(source), _json_string(qos), _json_string(cgroup_parent))
 
 
+def _observed_record(build: Callable[[], dict]) -> dict:
+    record = build()
+    record["rollout"] = OBSERVE
+    return record
+
+
+def observed(audit: Any) -> Any:
+    """A call's audit record (a dict, or a callable that builds it) tagged as made in observe."""
+    if callable(audit):
+        return partial(_observed_record, audit)
+    if isinstance(audit, dict):
+        audit["rollout"] = OBSERVE
+    return audit
+
+
 def _apply(resources: Any, decision: Decision) -> None:
     unified = resources.unified
     unified.clear()
@@ -85,9 +106,12 @@ class ContainerMemoryQoS:
         enabled: bool = True,
         disabled_reason: str = "",
         ownership=None,
+        rollout: Rollout | None = None,
     ):
         self.node = node
         self.policy = policy
+        # enforce or observe: read once per call (one attribute), switched live by Rollout.set
+        self.rollout = rollout if rollout is not None else Rollout()
         # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
         self.ownership = ownership
         # read once per call on the CRI path; replaced whole (never mutated) by set_ownership
@@ -115,12 +139,18 @@ class ContainerMemoryQoS:
             self.rewrite_disabled()
             return request
         method = call.method
+        observe = self.rollout.observe
         try:
             if method == CREATE_CONTAINER:
-                return self._create(call)
-            if method == UPDATE_CONTAINER_RESOURCES:
-                return self._update(call)
-            return request
+                out = self._create(call)
+            elif method == UPDATE_CONTAINER_RESOURCES:
+                out = self._update(call)
+            else:
+                return request
+            if observe:  # decided and audited as enforce would; the kubelet's bytes go upstream
+                call.audit = observed(call.audit)
+                return request
+            return out
         except Exception as e:  # fail open: the kubelet's bytes go upstream unchanged
             now = time.monotonic()
             if now - self._error_logged_at >= ERROR_LOG_INTERVAL:
@@ -135,6 +165,8 @@ class ContainerMemoryQoS:
                 "method": method.rsplit("/", 1)[-1],
                 "error": f"{e.__class__.__name__}: {e}"[:500],
             }
+            if observe:
+                call.audit["rollout"] = OBSERVE
             return request
 
     def rewrite_disabled(self) -> None:
@@ -145,7 +177,10 @@ class ContainerMemoryQoS:
 
     def not_rewritten(self, method: str, reason: str) -> None:
         """The transport forwarded a rewritable call without asking rewrite(): audit the fail-open."""
-        self._emit({"event": "fail-open", "method": method.rsplit("/", 1)[-1], "error": reason[:500]})
+        record = {"event": "fail-open", "method": method.rsplit("/", 1)[-1], "error": reason[:500]}
+        if self.rollout.observe:
+            record["rollout"] = OBSERVE
+        self._emit(record)
 
     def finished(self, call: RpcCall) -> None:
         method = call.method

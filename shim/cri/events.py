@@ -4,8 +4,10 @@ protobuf past here).
 ``call_event(call)`` turns one finished, successful call of ``OBSERVED_METHODS`` into its event,
 or None when it tells nothing. It parses the call's messages -- never on the relay thread: the
 reconciler's observer only enqueues the call, the events are made on its own thread. A message
-the rewriter already parsed is reused (``RpcCall.parsed``: the request as SENT, the rewriter
-changes it in place; with ``RpcCall.decision`` its ``unified_before`` is the kubelet's map).
+the rewriter already parsed is reused (``RpcCall.parsed``: the request as enforce sends it, the
+rewriter changes it in place; with ``RpcCall.decision`` its ``unified_before`` is the kubelet's
+map). In observe the kubelet's bytes went upstream, and the event is still the one enforce
+makes: the node state decides as enforce would.
 """
 from __future__ import annotations
 
@@ -65,10 +67,10 @@ def _sent_and_kubelet(call: RpcCall, cls: Any) -> tuple[Any, Any, Mapping[str, s
     if sent is None:
         original = cls.FromString(call.request)
         return (cls.FromString(call.forwarded) if call.forwarded else original), original, None
+    if isinstance(call.decision, Decision):  # (forwarded or not: enforce or observe)
+        return sent, None, call.decision.unified_before
     if call.forwarded is None:
         return sent, sent, None
-    if isinstance(call.decision, Decision):
-        return sent, None, call.decision.unified_before
     return sent, cls.FromString(call.request), None
 
 

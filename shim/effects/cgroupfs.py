@@ -16,6 +16,11 @@ every value before, so a refusal here means a bug above, and the file keeps what
 
 ``reclaim()`` writes a byte count to the write-only memory.reclaim (proactive reclaim,
 kernel >= 5.19) through the same walk; the monitor audits those writes itself, in sums.
+
+In observe (``shim.effects.rollout``: every tree has a ``rollout``, shared with the rest of the
+running shim) nothing is written: ``write()`` reads the file, decides as it would and audits
+the write it would make (``"rollout": "observe"``; the same would-write once per mode spell,
+not at every resync), ``reclaim()`` reads memory.current and asks for nothing.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from shim.decision.quantity import MAX_BYTES
+from shim.effects.rollout import OBSERVE, Rollout
 
 MANAGED_FILES = ("memory.min", "memory.low")
 RECLAIM_FILE = "memory.reclaim"  # write-only, kernel >= 5.19
@@ -117,8 +123,10 @@ class CgroupTree:
     #: True: only cgroups strictly below an allowed subtree (the monitor's containers)
     strictly_below = False
 
-    def __init__(self, root: str, allowed: Iterable[str] = ()):
+    def __init__(self, root: str, allowed: Iterable[str] = (), *, rollout: Rollout | None = None):
         self.root = root
+        #: enforce or observe (shared with the running shim; observe: nothing is written)
+        self.rollout = rollout if rollout is not None else Rollout()
         self._allowed: list[list[str]] = []
         self.set_allowed(allowed)
 
@@ -201,17 +209,25 @@ class CgroupTree:
                 os.close(wfd)
         return old
 
-    def reclaim(self, rel: str, nbytes: int) -> ReclaimOutcome:
+    def reclaim(self, rel: str, nbytes: int, *, observe: bool | None = None) -> ReclaimOutcome:
         """Ask the kernel to reclaim ``nbytes`` from cgroup ``rel`` through memory.reclaim
         (the path validated like every other write: inside the allowed subtrees, no symlink).
         memory.current is read before and after through the same directory fd. EAGAIN is an
         outcome (partial reclaim), not an error. FileNotFoundError when the cgroup is gone,
-        ReclaimUnsupported when it has no memory.reclaim; other OSErrors pass through."""
+        ReclaimUnsupported when it has no memory.reclaim; other OSErrors pass through.
+        ``observe`` (default: the rollout's mode at the call): nothing is asked, nothing freed."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"bad reclaim size {nbytes!r}")
         dfd = self._open_dir(self.check(rel))
         try:
             before = self._read_int(dfd, "memory.current")
+            if self.rollout.observe if observe is None else observe:  # what enforce would find, nothing written
+                try:
+                    os.stat(RECLAIM_FILE, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise ReclaimUnsupported(f"{self.abspath(rel, RECLAIM_FILE)} does not exist (kernel < 5.19?)") \
+                        from None
+                return ReclaimOutcome(nbytes, before, before, False)
             try:
                 fd = self._open_file(dfd, RECLAIM_FILE, os.O_WRONLY)
             except FileNotFoundError:
@@ -275,6 +291,7 @@ class CgroupFS(CgroupTree):
         dry_run: bool = False,
         keep: int = 10000,
         ceiling: int = 0,
+        rollout: Rollout | None = None,
     ):
         self.dry_run = dry_run
         #: no value above this is ever written (the node's capacity; 0 or above int64: int64)
@@ -284,7 +301,9 @@ class CgroupFS(CgroupTree):
         self._seq = 0
         #: every write, in order (bounded)
         self.writes: collections.deque[Write] = collections.deque(maxlen=keep)
-        super().__init__(root, allowed)
+        # observe: (path, file) -> (old, new, mode switches) of the would-write last audited
+        self._observed: dict[tuple[str, str], tuple[str, str, int]] = {}
+        super().__init__(root, allowed, rollout=rollout)
 
     def validate(self, rel: str) -> bool:
         """PathRefused unless rel is inside the allowed subtrees with no symlink on the way;
@@ -328,15 +347,30 @@ class CgroupFS(CgroupTree):
         self.check_value(rel, file, value)
         parts = self.check(rel)
         new = str(value)
+        observe = self.rollout.observe
+        dry = self.dry_run or observe
         dfd = self._open_dir(parts)
         try:
-            old = self._read_then_write(dfd, file, lambda old: None if old == new or self.dry_run else new,
-                                        self._file_fd)
+            old = self._read_then_write(dfd, file, lambda old: None if old == new or dry else new, self._file_fd)
         finally:
             os.close(dfd)
         if old == new:
             return None
-        return self._record(parts, file, old, new, why, level, drift, extra)
+        if observe and self.observed_before(parts, file, old, new):
+            return None
+        return self._record(parts, file, old, new, why, level, drift, extra, observe=observe)
+
+    def observed_before(self, parts: list[str], file: str, old: str | None, new: str) -> bool:
+        """Observe: whether this would-write (the file holding ``old``, ``new`` wanted) was
+        audited already in this spell of observe; remembers it otherwise."""
+        key = ("/".join(parts), file)
+        seen = (str(old), new, self.rollout.switches)
+        if self._observed.get(key) == seen:
+            return True
+        if len(self._observed) > 100000:
+            self._observed.clear()
+        self._observed[key] = seen
+        return False
 
     def check_value(self, rel: str, file: str, value: int) -> None:
         """ValueRefused unless value is an int in [0, ceiling]."""
@@ -347,8 +381,9 @@ class CgroupFS(CgroupTree):
                                "not written")
 
     def _record(self, parts: list[str], file: str, old: str | None, new: str, why: str, level: int, drift: bool,
-                extra: dict | None) -> Write:
-        """Keep a write that was made, and audit it (``extra`` adds keys to the record)."""
+                extra: dict | None, *, observe: bool = False) -> Write:
+        """Keep a write that was made (or would be: dry run, observe), and audit it (``extra``
+        adds keys to the record)."""
         with self._lock:
             self._seq += 1
             w = Write(self._seq, "/".join(parts), file, old, new, why, level, drift)
@@ -367,5 +402,7 @@ class CgroupFS(CgroupTree):
                 record["drift_repaired"] = True
             if extra:
                 record.update(extra)
+            if observe:
+                record["rollout"] = OBSERVE
             self._emit(record)
         return w

@@ -55,14 +55,22 @@ class ContainerCgroups(CgroupTree):
             os.close(dfd)
         return out
 
-    def write(self, rel: str, name: str, value: str, expect: str | None = None) -> str:
+    def write(self, rel: str, name: str, value: str, expect: str | None = None, *,
+              observe: bool | None = None) -> str:
         """Write value to rel/name. With ``expect``, only when the file holds it (stripped);
-        ValueError otherwise. Returns what the file held."""
+        ValueError otherwise. Returns what the file held. ``observe`` (default: the rollout's
+        mode at the call): read only, write nothing, and no ``expect`` check (in observe the file holds
+        what the container really runs with, not what an earlier would-write left)."""
         if name not in WRITE_FILES:
             raise PathRefused(f"{name!r} is not a file the monitor writes")
         if value != "max" and not (value.isascii() and value.isdigit()):
             raise ValueError(f"bad memory value {value!r}")
-        def decide(old: str) -> str:
+        if observe is None:
+            observe = self.rollout.observe
+
+        def decide(old: str) -> str | None:
+            if observe:
+                return None
             if expect is not None and old != expect:
                 raise ValueError(f"{name} holds {old!r}, not {expect!r}: changed meanwhile")
             return value

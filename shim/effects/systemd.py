@@ -177,6 +177,7 @@ class CgroupWriter(CgroupFS):
         if self.via != "systemd":
             return super().write(rel, file, value, why, level=level, drift=drift, extra=extra)
         self.check_value(rel, file, value)
+        observe = self.rollout.observe
         parts = self.check(rel)
         if file not in PROPERTY:
             raise PathRefused(f"{file!r} is not a file the shim writes")
@@ -189,7 +190,9 @@ class CgroupWriter(CgroupFS):
         key = (path, file)
         if old == new and self._told.get(key) == new:
             return None
-        if not self.dry_run:
+        if observe and self.observed_before(parts, file, old, new):
+            return None
+        if not self.dry_run and not observe:
             self.systemctl.set_property(unit, PROPERTY[file], value)
             if len(self._told) > 100000:
                 self._told.clear()
@@ -202,4 +205,4 @@ class CgroupWriter(CgroupFS):
         through = {"via": "systemd", "unit": unit, "property": PROPERTY[file]}
         if old == new:  # the file held it already (cgroupfs write), systemd did not know it
             through["adopted"] = True
-        return self._record(parts, file, old, new, why, level, drift, {**through, **(extra or {})})
+        return self._record(parts, file, old, new, why, level, drift, {**through, **(extra or {})}, observe=observe)

@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shim.effects.rollout import MODES
 from shim.guard.sampling import EVENTS
 from shim.transport.hooks import FinishedCall
 from shim.cri.methods import CRI_METHODS_BY_PATH
@@ -123,6 +124,13 @@ class _LiveCollector:
 
     def collect(self):
         m = self.m
+        if m.rollout is not None:
+            mode = GaugeMetricFamily("memqos_mode", "the shim's mode: 1 for the one it runs in (enforce: it rewrites "
+                                     "calls and writes cgroup files; observe: it decides and audits only)",
+                                     labels=("mode",))
+            for name in MODES:
+                mode.add_metric([name], 1.0 if name == m.rollout.mode else 0.0)
+            yield mode
         audit = m.audit
         if audit is not None:
             dropped = CounterMetricFamily("memqos_audit_records_dropped",
@@ -339,6 +347,7 @@ class Metrics:
         self.reconciler = None
         self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
         self.relay = None  # the relay transport: its limit_hits
+        self.rollout = None  # shim.effects.rollout.Rollout: memqos_mode
         r.register(_LiveCollector(self))
         self.observer = CriObserver(self)
         self._server = None
@@ -347,7 +356,7 @@ class Metrics:
 
     # -- wiring
     def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None,
-               recorder=None) -> "Metrics":
+               recorder=None, rollout=None) -> "Metrics":
         if recorder is not None:
             self.recorder = recorder
         if audit is not None:
@@ -372,6 +381,8 @@ class Metrics:
             self.transport = transport
         if relay is not None:
             self.relay = relay
+        if rollout is not None:
+            self.rollout = rollout
         return self
 
     def timed(self, rewriter) -> TimedRewriter:
@@ -444,8 +455,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None, recorder=None) -> Metrics | None:
+def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None, recorder=None,
+                  rollout=None) -> Metrics | None:
     """The metrics `serve` runs (None without --metrics-address)."""
     if not cfg.metrics_address:
         return None
-    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder)
+    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder,
+                            rollout=rollout)

@@ -56,6 +56,7 @@ from shim.decision.guard import (
 from shim.effects.cgroupfs import PathRefused
 from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups
 from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
+from shim.effects.rollout import OBSERVE
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
 from shim.guard.reclaim import TOTALS, ReclaimRunner
 from shim.guard.sampling import ContainerRef, MonitorSnapshot, Reading, reading_from
@@ -102,6 +103,7 @@ class Monitor(Worker):
         reclaim: rc.ReclaimConfig | None = None,
         reclaim_audit_interval: float = 60.0,
         page_size: int | None = None,
+        rollout=None,
     ):
         super().__init__("memqos-monitor", logger=log, label="monitor")
         self.cgroup_root = cgroup_root
@@ -112,7 +114,12 @@ class Monitor(Worker):
         self.sources = list(sources)
         self.reconciler = reconciler
         self._clock = clock
-        self.fs = ContainerCgroups(cgroup_root)
+        # observe (shim.effects.rollout): the guard decides and audits, nothing is written
+        self.fs = ContainerCgroups(cgroup_root, rollout=rollout)
+        # observe: container id -> the memory.high (None: max) the guard's writes would have left,
+        # which its samples read instead of the file's; dropped (back to watching) once the shim
+        # enforces, and never saved as an episode
+        self._observed: dict[str, int | None] = {}
         self.layout: CgroupLayout | None = None
         self._paths: dict[str, str] = {}  # container id -> relative cgroup dir
         self._history: dict[str, collections.deque[Sample]] = {}
@@ -223,6 +230,8 @@ class Monitor(Worker):
         t0 = time.perf_counter()
         now = self._clock() if now is None else now
         self._probe_reconciler()
+        if self._observed and not self.fs.rollout.observe:
+            self._forget_observed()
         idle = self._layout()
         self.say_idle(idle or None)
         refs = self.refs() if idle is None else []
@@ -281,6 +290,7 @@ class Monitor(Worker):
             for cid in [c for c in set(self._history) | set(self._states) if c not in alive]:
                 self._history.pop(cid, None)
                 self._states.pop(cid, None)
+                self._observed.pop(cid, None)
             if self.reclaimer is not None:
                 self.reclaimer.forget(alive, now)
             self._last_ref = {r.id: r for r in refs
@@ -318,7 +328,14 @@ class Monitor(Worker):
                     "restore_high": st.restore_high})
 
     def _episode_key(self) -> tuple:
-        return tuple(sorted((cid, st.mode, st.restore_high) for cid, st in self._states.items() if st.mode != WATCH))
+        return tuple(sorted((cid, st.mode, st.restore_high) for cid, st in self._states.items()
+                            if st.mode != WATCH and cid not in self._observed))
+
+    def _forget_observed(self) -> None:
+        """Enforcing again: the guard states that follow writes observe did not make start over."""
+        for cid in self._observed:
+            self._states.pop(cid, None)
+        self._observed.clear()
 
     def _save_episodes(self) -> None:
         if self.episodes is None:
@@ -337,8 +354,9 @@ class Monitor(Worker):
     # -- the guard
     def _guard(self, ref: ContainerRef, rel: str, r: Reading, now: float):
         high_text = None
+        observe = self.fs.rollout.observe
         sample = Sample(
-            t=now, current=r.current, high=r.high, max=r.max,
+            t=now, current=r.current, high=self._observed.get(ref.id, r.high) if observe else r.high, max=r.max,
             full_avg10=r.pressure.get("full", {}).get("avg10"),
             some_avg10=r.pressure.get("some", {}).get("avg10"),
         )
@@ -374,7 +392,7 @@ class Monitor(Worker):
         if d.write is not None:
             expect = "max" if d.verdict is Verdict.RESTORE else str(r.high)
             try:
-                old = self.fs.write(rel, "memory.high", d.write, expect=expect)
+                old = self.fs.write(rel, "memory.high", d.write, expect=expect, observe=observe)
             except (OSError, ValueError, PathRefused) as e:
                 # state unchanged: the next round decides again from fresh samples
                 self._emit({**record, "event": "guard-error", "wanted": d.verdict.value, "new": d.write,
@@ -383,7 +401,11 @@ class Monitor(Worker):
                 return d
             record.update(old=old, new=d.write)
             high_text = d.write
-            r.high = None if d.write == "max" else int(d.write)  # what is in force now
+            if observe:
+                record["rollout"] = OBSERVE
+                self._observed[ref.id] = None if d.write == "max" else int(d.write)
+            else:
+                r.high = None if d.write == "max" else int(d.write)  # what is in force now
         self._states[ref.id] = d.state
         if high_text is not None:
             log.warning("guard: %s memory.high of %s (%s): %s -> %s; %s", d.verdict.value, ref.label(),
@@ -449,7 +471,7 @@ def reclaim_config(cfg) -> rc.ReclaimConfig | None:
 
 
 def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, container_qos=None,
-                  reconciler=None) -> Monitor | None:
+                  reconciler=None, rollout=None) -> Monitor | None:
     """The monitor `serve` runs (None with --monitor-interval 0)."""
     interval = cfg.monitor_interval
     if not interval:
@@ -465,7 +487,7 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
                    emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
                    reclaim=reclaim_config(cfg),
-                   reclaim_audit_interval=cfg.reclaim_audit_interval)
+                   reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout)
 
 
 def guard_for_ownership(cfg, owners) -> GuardConfig:

@@ -17,6 +17,7 @@ from typing import Callable
 from shim.decision import reclaim as rc
 from shim.effects.cgroupfs import PathRefused, ReclaimUnsupported
 from shim.effects.container import ContainerCgroups
+from shim.effects.rollout import OBSERVE
 from shim.guard.sampling import ContainerRef, Reading, parse_flat_keyed
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,9 @@ class ReclaimRunner:
     def _write(self, ref: ContainerRef, rel: str, r: Reading, d, now: float) -> None:
         cid = ref.id
         acc = self._acc.setdefault(cid, _new_acc(now))
+        observe = self.fs.rollout.observe  # (observe: the write is decided and counted, not made)
         try:
-            out = self.fs.reclaim(rel, d.bytes)
+            out = self.fs.reclaim(rel, d.bytes, observe=observe)
         except FileNotFoundError:  # the cgroup went away meanwhile
             return
         except ReclaimUnsupported as e:
@@ -125,6 +127,8 @@ class ReclaimRunner:
         self._freed[cid] = self._freed.get(cid, 0) + freed
         r.reclaimed = self._freed[cid]
         acc["writes"] += 1
+        if observe:
+            acc["rollout"] = OBSERVE
         acc["eagain"] += out.eagain
         acc["asked_bytes"] += d.bytes
         acc["freed_bytes"] += freed

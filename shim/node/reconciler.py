@@ -97,9 +97,10 @@ def reserved_cgroups(kubelet: KubeletFacts, layout: CgroupLayout) -> tuple[list[
 
 # -- the observer on the CRI path ------------------------------------------------------
 class _Resync:
-    def __init__(self, reason: str, fresh: bool):
+    def __init__(self, reason: str, fresh: bool, forget: bool = False):
         self.reason = reason
         self.fresh = fresh
+        self.forget = forget  # what the files hold is read again, not taken from the last pass
 
 
 class Rebuild:
@@ -160,6 +161,7 @@ class Reconciler(Worker):
         systemd_writes: str = "cgroupfs",
         allocatable: int | None = None,
         wait_for_listing: bool = False,
+        rollout=None,
     ):
         super().__init__("memqos-reconciler", logger=log, label="reconciler", report_error=self._report_error)
         self.cgroup_root = cgroup_root
@@ -184,7 +186,9 @@ class Reconciler(Worker):
         self.state = NodeState(capacity)
         self.view = NodeView()  # replaced (never mutated) after each change applied
         # how writes are made (cgroupfs, or systemd's SetUnitProperties on systemd-driver nodes)
-        self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes, ceiling=capacity)
+        # (observe, shim.effects.rollout: every pass decides and audits what it would write, and
+        # remembers it as written, as enforce would)
+        self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes, ceiling=capacity, rollout=rollout)
         self.observer = ReconcilerObserver(self._queue)
         self.layout: CgroupLayout | None = None
         self.reserved: list[Reserved] = []
@@ -213,6 +217,11 @@ class Reconciler(Worker):
 
     def request_resync(self, reason: str = "requested", fresh: bool = False) -> None:
         self._queue.put(_Resync(reason, fresh))
+
+    def enforce_now(self, reason: str) -> None:
+        """The shim went from observe to enforce: a full pass at once, from what the files really
+        hold (the values observe took as written were not)."""
+        self._queue.put(_Resync(reason, False, forget=True))
 
     def submit(self, item) -> None:
         """Queue a node event (``shim.decision.events``) or a ``Rebuild``: from any thread, never waits."""
@@ -245,6 +254,8 @@ class Reconciler(Worker):
         dirty, resync, refresh = False, None, []
         for it in items:
             if isinstance(it, _Resync):
+                if it.forget:
+                    self.known.clear()
                 if resync is None or (it.fresh and not resync.fresh):
                     resync = it
             elif isinstance(it, _NewOwnership):
@@ -540,7 +551,7 @@ class Reconciler(Worker):
 
 
 def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], None],
-                     ownership=None) -> Reconciler | None:
+                     ownership=None, rollout=None) -> Reconciler | None:
     """The reconciler `serve` runs (None with --reconcile false). Its runtime client talks to
     the upstream directly, not through the proxy."""
     if not cfg.reconcile:
@@ -559,4 +570,5 @@ def build_reconciler(cfg, kubelet: KubeletFacts, node, emit: Callable[[dict], No
         ownership=ownership,
         systemd_writes=cfg.systemd_writes,
         allocatable=node.allocatable,
+        rollout=rollout,
     )

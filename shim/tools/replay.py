@@ -274,9 +274,10 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
-                       transport: str = "relay") -> ReplayResult:
+                       transport: str = "relay", mode: str = "enforce") -> ReplayResult:
     from shim.app.service import build_container_qos, build_request_hooks
     from shim.cri.methods import CRI_METHODS
+    from shim.effects.rollout import Rollout
     from shim.testing.trace_runtime import TraceRuntime
 
     if transport == "relay":
@@ -294,7 +295,8 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
         result.records.append(ordered_record(current[0], record))
 
     qos = build_container_qos(settings.node, settings.policy, emit, cgroup_v2=settings.enabled,
-                              cgroup_root="(the recording node)", ownership=settings.ownership())
+                              cgroup_root="(the recording node)", ownership=settings.ownership(),
+                              rollout=Rollout(mode))
     hooks = build_request_hooks(qos)
     workdir = tempfile.mkdtemp(prefix="memqos-replay-")
     runtime = TraceRuntime(trace.calls)
@@ -340,10 +342,11 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
 
 
 def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
-           transport: str = "relay") -> ReplayResult:
+           transport: str = "relay", mode: str = "enforce") -> ReplayResult:
     """Synchronous wrapper (its own event loop). ``transport``: the request path's transport,
-    relay (serve's default) or grpc."""
-    return asyncio.run(replay_async(trace, settings, timeout=timeout, transport=transport))
+    relay (serve's default) or grpc; ``mode``: enforce or observe (decided and audited, the
+    kubelet's bytes forwarded)."""
+    return asyncio.run(replay_async(trace, settings, timeout=timeout, transport=transport, mode=mode))
 
 
 def replay_file(path: str, **overrides: Any) -> ReplayResult:
@@ -427,7 +430,7 @@ def load_records(path: str) -> list[dict]:
 def _replay_options():
     from shim.app.config import OPTIONS
 
-    wanted = ("node-allocatable", "factor", "policy", "page-size", "transport")
+    wanted = ("node-allocatable", "factor", "policy", "page-size", "transport", "mode")
     return tuple(o for o in OPTIONS if o.name in wanted)
 
 
@@ -464,7 +467,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             settings.origin[key] = f"--config {args.config}"
     for problem in trace.problems:
         print(f"memqos-shim replay: note: {problem}", file=err)
-    result = replay(trace, settings, transport=cfg.transport)
+    result = replay(trace, settings, transport=cfg.transport, mode=cfg.mode)
     if args.json:
         out.write(records_jsonl(result.records))
     else:

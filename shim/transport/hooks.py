@@ -63,7 +63,7 @@ class RpcCall:
     truncated: bool = False
     metadata: tuple = ()  # the request's metadata as the transport has it (may be empty)
     # -- left by the rewrite hook for finished
-    parsed: Any = None  # the request message it parsed; as SENT when it rewrote it in place
+    parsed: Any = None  # the request message it parsed; as the rewrite made it (changed in place)
     decision: Any = None  # what it decided
     audit: Any = None  # its audit record (or a callable that builds it), emitted in finished
     memo: Any = None  # what it remembers once the call succeeded
