@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from shim.cri import api_pb2_grpc, pb
-from shim.testing.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
+from shim.tools.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
 
 MI = 2**20
 GI = 2**30
@@ -114,7 +114,7 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
     procs = []
     try:
         runtime = subprocess.Popen(
-            [sys.executable, "-m", "shim.testing.fake_runtime", "--listen", str(runtime_sock)],
+            [sys.executable, "-m", "memqos_dev.testing.fake_runtime", "--listen", str(runtime_sock)],
             stdout=open(out_dir / "fake-runtime.log", "w"), stderr=subprocess.STDOUT, env=env)
         procs.append(runtime)
         _wait_for_socket(runtime_sock, runtime, "the fake runtime")

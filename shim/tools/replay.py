@@ -5,7 +5,7 @@ The request path is the one `serve` runs: a real transport (the HTTP/2 relay by 
 ``TraceRuntime`` answering every call with the recorded answer (so container ids and sandbox
 facts are the recorded ones). A grpc client sends every recorded request, one at a time, in
 recorded start order, with the call's seq as ``memqos-replay-seq`` metadata (see
-shim.testing.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
+shim.tools.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
 CreateContainer / UpdateContainerResources -- are the result, each tagged with the seq of
 the call that produced it.
 
@@ -243,7 +243,7 @@ async def drive(target: str, calls: Iterable[TraceCall], *,
     """Send ``calls`` (already in the wanted order) one at a time to ``target`` (unix://...)."""
     import grpc
 
-    from shim.testing.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
+    from shim.tools.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
 
     outcomes = []
     async with grpc.aio.insecure_channel(target, options=(
@@ -277,7 +277,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
                        transport: str = "relay") -> ReplayResult:
     from shim.app.service import build_container_qos, build_request_hooks
     from shim.cri.methods import CRI_METHODS
-    from shim.testing.trace_runtime import TraceRuntime
+    from shim.tools.trace_runtime import TraceRuntime
 
     if transport == "relay":
         from shim.transport.relay import RelayProxy as Proxy
