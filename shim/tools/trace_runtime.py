@@ -1,8 +1,8 @@
 """A CRI runtime driven by a trace: every call is answered with the recorded answer.
 
-``TraceRuntime`` is a grpc.aio server on a unix socket that accepts any method path
-(the 43 runtime.v1 methods with their real cardinality, anything else -- runtime.v1alpha2,
-a method that does not exist -- through a generic stream handler) and answers each call
+``TraceRuntime`` is a gRPC server on a unix socket (``shim.tools.grpc_server``: no grpcio) that
+accepts any method path (the 43 runtime.v1 methods, anything else -- runtime.v1alpha2, a method
+that does not exist -- with every message of its request taken together) and answers each call
 with the ``responses``, ``code`` and ``details`` of one recorded call. Container and sandbox
 ids, statuses and errors are therefore exactly the recorded ones.
 
@@ -34,10 +34,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import grpc
-
-from shim.evidence.trace import TraceCall
 from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS_BY_PATH, UPDATE_CONTAINER_RESOURCES
+from shim.evidence.trace import TraceCall
+from shim.tools.grpc_server import GrpcServer
+from shim.transport.wire.grpc import STATUS_NUMBER
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class TraceRuntime:
             entry = _Entry(c)
             self._by_method.setdefault(c.method, []).append(entry)
             self._by_seq.setdefault(c.seq, entry)
-        self._server: grpc.aio.Server | None = None
+        self._server: GrpcServer | None = None
         self.path: str | None = None
 
     # -- results -------------------------------------------------------------------
@@ -183,16 +183,9 @@ class TraceRuntime:
 
     # -- server ------------------------------------------------------------------------
     async def start(self, path: str) -> None:
-        server = grpc.aio.server(options=(
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-        ))
-        server.add_generic_rpc_handlers([_Router(self)])
-        if server.add_insecure_port("unix:" + path) == 0:
-            raise OSError(f"trace runtime: could not bind {path}")
-        await server.start()
-        self._server = server
-        self.path = path
+        self._server = GrpcServer(self._handle, max_message_bytes=MAX_MESSAGE)
+        await self._server.start(path)
+        self.path = self._server.path
 
     async def stop(self, grace: float | None = None) -> None:
         if self._server is not None:
@@ -203,70 +196,26 @@ class TraceRuntime:
     def endpoint(self) -> str:
         return "unix://" + (self.path or "")
 
-    def _lookup(self, method: str, request: bytes, context) -> tuple[Answered, TraceCall | None]:
+    async def _handle(self, method: str, headers: dict, messages: list) -> tuple[list, str, str]:
         hint = None
-        for key, value in context.invocation_metadata() or ():
-            if key == REPLAY_SEQ_KEY:
-                try:
-                    hint = int(value)
-                except (TypeError, ValueError):
-                    pass
-        answered = self.match(method, request, hint)
-        return answered, self.call_for(answered)
-
-    @staticmethod
-    async def _fail(context, call: TraceCall | None, method: str) -> None:
-        if call is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"trace runtime: no recorded call left to answer {method}")
-        code = getattr(grpc.StatusCode, call.code, None)
-        if code is None or code is grpc.StatusCode.OK:
-            await context.abort(grpc.StatusCode.UNKNOWN, f"recorded code {call.code}: {call.details}")
-        await context.abort(code, call.details)
-
-    async def unary(self, method: str, request: bytes, context) -> bytes:
-        _, call = self._lookup(method, request, context)
-        if call is None or call.code != "OK":
-            await self._fail(context, call, method)
-        return call.responses[0] if call.responses else b""
-
-    async def server_stream(self, method: str, request: bytes, context) -> None:
-        _, call = self._lookup(method, request, context)
-        if call is None or call.code != "OK":
-            await self._fail(context, call, method)
-        for message in call.responses:
-            await context.write(message)
-
-    async def any_stream(self, method: str, request_iterator, context) -> None:
-        parts = [m async for m in request_iterator]
-        _, call = self._lookup(method, b"".join(parts), context)
-        if call is None or call.code != "OK":
-            await self._fail(context, call, method)
-        for message in call.responses:
-            await context.write(message)
-
-
-class _Router(grpc.GenericRpcHandler):
-    def __init__(self, runtime: TraceRuntime) -> None:
-        self._rt = runtime
-
-    def service(self, handler_call_details):
-        method = handler_call_details.method
-        rt = self._rt
+        raw = headers.get(REPLAY_SEQ_KEY.encode())
+        if raw is not None:
+            try:
+                hint = int(raw)
+            except ValueError:
+                pass
         known = CRI_METHODS_BY_PATH.get(method)
-        if known is not None and not known.client_streaming:
-            if known.server_streaming:
-                async def stream(request, context):
-                    await rt.server_stream(method, request, context)
-
-                return grpc.unary_stream_rpc_method_handler(stream)
-
-            async def unary(request, context):
-                return await rt.unary(method, request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary)
-
-        async def generic(request_iterator, context):
-            await rt.any_stream(method, request_iterator, context)
-
-        return grpc.stream_stream_rpc_method_handler(generic)
+        # a known method carries one message; any other call's messages are taken together
+        request = messages[0] if known is not None and not known.client_streaming and len(messages) == 1 \
+            else b"".join(messages)
+        call = self.call_for(self.match(method, request, hint))
+        if call is None:
+            return [], "FAILED_PRECONDITION", f"trace runtime: no recorded call left to answer {method}"
+        if call.code == "OK":
+            responses = list(call.responses)
+            if known is not None and not known.server_streaming and not responses:
+                responses = [b""]
+            return responses, "OK", ""
+        if call.code not in STATUS_NUMBER:
+            return [], "UNKNOWN", f"recorded code {call.code}: {call.details}"
+        return [], call.code, call.details
