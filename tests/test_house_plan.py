@@ -1,5 +1,7 @@
 """The house plan holds: rooms are folders, modules stay readable, rooms meet only through
-public names, and the docs' layout tables name the folders that exist (docs/architecture.md)."""
+public names, the runtime package imports neither the development package beside it nor
+grpcio outside the grpc transport, and the docs' layout tables name the folders that exist
+(docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
@@ -103,3 +105,103 @@ def dev_rows(doc: Path) -> set[str]:
 def test_the_dev_table_names_exactly_the_dev_folders():
     folders = {p.name for p in DEV.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders and dev_rows(REPO / "docs" / "architecture.md") == folders
+
+
+def dev_imports(path: Path, tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found += [f"{rel(path)}:{node.lineno} imports {n}" for n in names
+                  if n == "memqos_dev" or n.startswith("memqos_dev.")]
+    return found
+
+
+def test_the_runtime_package_imports_nothing_of_the_dev_package():
+    """The wheel holds shim/ only: an import of memqos_dev there breaks every installed node.
+    (A module run as ``python -m memqos_dev...`` is spelled in a string; these are searched too.)"""
+    found = []
+    for p in modules():
+        text = p.read_text(encoding="utf-8")
+        found += dev_imports(p, ast.parse(text))
+        found += [f"{rel(p)}: names memqos_dev" for line in text.splitlines()
+                  if "memqos_dev" in line and not line.lstrip().startswith("#")][:1]
+    assert found == []
+
+
+def test_the_dev_import_check_sees_one():
+    tree = ast.parse("import memqos_dev.testing\nfrom memqos_dev.tools import bench_ab\nimport shim.cri\n")
+    assert dev_imports(SHIM / "tools" / "x.py", tree) == [
+        "shim/tools/x.py:1 imports memqos_dev.testing", "shim/tools/x.py:2 imports memqos_dev.tools"]
+
+
+def imports_of_room(room: str) -> set[str]:
+    """The other rooms (and top-level modules) a room imports from."""
+    out = set()
+    for p in (SHIM / room).rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.startswith("shim."):
+                out.add(room_of_module(node.module))
+            elif isinstance(node, ast.Import):
+                out.update(room_of_module(a.name) for a in node.names if a.name.startswith("shim."))
+    return out - {room}
+
+
+@pytest.mark.parametrize("room, allowed", [
+    ("decision", set()),  # pure: nothing of the shim's
+    ("effects", {"decision"}),
+    ("transport", set()),  # knows no CRI, no policy: the method table and hooks are handed to it
+    # the NRI protocol over the transport's ttrpc, and its messages as decision facts and events
+    # (as cri/ does for CRI); policy comes in through a Handler
+    ("nri", {"transport", "decision"}),
+])
+def test_the_lower_rooms_import_only_below_them(room, allowed):
+    assert imports_of_room(room) <= allowed
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            out.add(id(node.body[0].value))
+    return out
+
+
+def cri_paths_spelled(path: Path, tree: ast.AST) -> list[str]:
+    """String constants (docstrings aside) that spell a CRI method path."""
+    skip = docstrings(tree)
+    return [f"{rel(path)}:{node.lineno}: {node.value}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+            and re.search(r"/runtime\.v1\w*\.\w+Service/", node.value)]
+
+
+def test_the_transport_names_no_cri_method():
+    spelled = []
+    for p in (SHIM / "transport").rglob("*.py"):
+        spelled += cri_paths_spelled(p, ast.parse(p.read_text(encoding="utf-8")))
+    assert spelled == []
+
+
+def test_the_method_check_sees_one():
+    tree = ast.parse('"""Holds /runtime.v1.RuntimeService/CreateContainer."""\n'
+                     'HELD = {"/runtime.v1.RuntimeService/CreateContainer"}\n')
+    assert cri_paths_spelled(SHIM / "transport" / "x.py", tree) == [
+        "shim/transport/x.py:2: /runtime.v1.RuntimeService/CreateContainer"]
+
+
+GRPC_USERS = {"shim/transport/proxy.py", "shim/cri/api_pb2_grpc.py"}
+
+
+def test_only_the_grpc_transport_imports_grpcio():
+    """grpcio is the [grpc] extra: ``serve`` with the relay, ``nri`` and the operator's commands
+    run without it (tests/test_wheel.py runs them in a virtual environment that lacks it)."""
+    found = set()
+    for p in modules():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(n == "grpc" or n.startswith("grpc.") for n in names):
+                found.add(rel(p))
+    assert found == GRPC_USERS
