@@ -7,6 +7,7 @@ the checkout's environment, and neither grpcio nor the development package is th
 One wheel and one environment per test session (the ``installed`` fixture)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -55,7 +56,9 @@ def build_wheel(out: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
     shutil.copytree(REPO / "shim", src / "shim", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+    # the checkout's setuptools when it has one (no index needed for the build), else pip's own
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "--quiet",
                         "-w", str(out / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     (wheel,) = (out / "dist").glob("memqos_shim-*.whl")

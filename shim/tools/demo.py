@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,15 +65,26 @@ def _make_cgroup_dir(path: Path) -> None:
         (path / "memory.high").write_text("max\n")
 
 
+def _accepts(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:  # not there yet, or bound and not yet listening
+        return False
+    finally:
+        s.close()
+
+
 def _wait_for_socket(path: Path, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists():
+        if _accepts(path):
             return
         if proc.poll() is not None:
             raise SystemExit(f"demo: {what} exited with {proc.returncode}; see its log in {path.parent}")
         time.sleep(0.05)
-    raise SystemExit(f"demo: {what} did not create {path} within {timeout}s")
+    raise SystemExit(f"demo: {what} does not accept connections on {path} after {timeout}s")
 
 
 def size(n: int) -> str:
