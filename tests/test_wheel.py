@@ -1,8 +1,9 @@
 """The runtime wheel on its own: built from this tree, installed into a new virtual environment
 (no system site packages, dependencies from the package index or pip's cache, without extras),
 and run from a directory outside the checkout with nothing of the checkout on its path: the
-commands an operator runs answer, ``serve`` forwards a real call to a fake runtime started from
-the checkout's environment, and neither grpcio nor the development package is there or needed.
+commands an operator runs answer, ``nri`` starts, ``serve`` forwards a real call to a fake
+runtime started from the checkout's environment, and neither grpcio nor the development
+package is there or needed.
 
 One wheel and one environment per test session (the ``installed`` fixture)."""
 from __future__ import annotations
@@ -211,3 +212,24 @@ def test_serve_forwards_to_a_fake_runtime(installed, tmp_path):
                 p.kill()
                 p.wait()
     assert "Traceback" not in (tmp_path / "shim.log").read_text()
+
+
+def test_nri_starts_and_waits_for_its_runtime(installed, tmp_path):
+    """`memqos-shim nri` with no runtime socket yet: it imports what it needs, says it is
+    waiting for the socket, and stops on SIGTERM."""
+    (tmp_path / "cgroup").mkdir()
+    log = tmp_path / "nri.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen([str(installed.cli), "nri", "--nri-socket", str(tmp_path / "nri.sock"),
+                              "--cgroup-root", str(tmp_path / "cgroup"), "--audit-log", str(tmp_path / "audit.jsonl")],
+                             cwd=installed.home, env=installed.env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while "nri.sock" not in log.read_text():
+                assert p.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+        finally:
+            p.terminate()
+            p.wait(15)
+    assert "Traceback" not in log.read_text()
