@@ -1,10 +1,16 @@
 # Image that runs the shim. It needs the host's /run (both sockets), /sys/fs/cgroup
 # (read-write) and /var/lib/kubelet/config.yaml; see README "Install on a node".
-FROM python:3.11-slim
-WORKDIR /opt/memqos-shim
+# The runtime wheel only, without extras: no grpcio (the [grpc] extra), no test or bench code.
+FROM python:3.11-slim AS wheel
+WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY proto ./proto
 COPY shim ./shim
-RUN pip install --no-cache-dir . && python -c "import shim.cri; from google.protobuf.internal import api_implementation as a; assert a.Type() == 'upb'"
+RUN pip wheel --no-cache-dir --no-deps -w /dist .
+
+FROM python:3.11-slim
+COPY --from=wheel /dist /dist
+RUN pip install --no-cache-dir /dist/memqos_shim-*.whl && rm -rf /dist \
+    && python -c "import shim.cri; from google.protobuf.internal import api_implementation as a; assert a.Type() == 'upb'" \
+    && ! python -c "import grpc" 2>/dev/null
 ENTRYPOINT ["memqos-shim"]
 CMD ["serve", "--config", "/etc/memqos-shim/config.yaml"]

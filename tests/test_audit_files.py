@@ -214,7 +214,7 @@ def test_serve_reopens_the_audit_log_and_the_recording_on_sighup():
     """logrotate's create mode against a real `serve`: the files are renamed, SIGHUP, a call: the
     call's records are in new files, the renamed ones keep the earlier records whole."""
     from shim.cri import pb
-    from shim.testing.fake_runtime import FakeRuntimeServer
+    from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 
     try:
         from tests.test_serve import Shim, create, run_pod, short_dir
@@ -313,7 +313,7 @@ def test_logrotate_with_the_shipped_rules_rotates_a_running_shim_without_losing_
     """The shipped rules, run by logrotate itself against a real `serve` (the path and the signal's
     target replaced by this test's): three forced rotations with calls in between; every record
     is in exactly one file, whole, and the shim writes to the file logrotate created."""
-    from shim.testing.fake_runtime import FakeRuntimeServer
+    from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 
     try:
         from tests.test_serve import Shim, create, run_pod, short_dir

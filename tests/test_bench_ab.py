@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from shim.tools import bench_ab
-from shim.tools.bench.workload import REPO
+from memqos_dev.tools import bench_ab
+from memqos_dev.tools.bench.workload import REPO
 
 
 def _worktrees() -> list[str]:
@@ -31,7 +31,7 @@ def test_bench_ab_runs_both_versions_and_cleans_up():
 
 
 def test_replay_slices_keep_every_call_once_in_order():
-    from shim.tools.bench.workload import replay_slices
+    from memqos_dev.tools.bench.workload import replay_slices
 
     schedule = [(0.1, "a", b"1"), (0.9, "b", b"2"), (1.0, "c", b"3"), (2.5, "d", b"4"), (2.99, "e", b"5")]
     parts = replay_slices(schedule, 1.0)
@@ -47,7 +47,7 @@ def test_bench_instructions_probe_runs_on_this_tree(mode):
     """scripts/bench-instructions' probe (run under callgrind there) works with today's hooks."""
     import sys
 
-    from shim.tools.bench.hook_instructions import PROBE
+    from memqos_dev.tools.bench.hook_instructions import PROBE
 
     p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); exec({PROBE!r})",
                         "5", mode], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -12,7 +12,7 @@ from shim.cri.methods import CREATE_CONTAINER, RUN_POD_SANDBOX, UPDATE_CONTAINER
 from shim.decision import Decision, NodeFacts, Policy
 from shim.evidence.trace import read_trace
 from shim.node.state import NodeState
-from shim.testing.traces import all_traces
+from memqos_dev.testing.traces import all_traces
 from shim.tools.replay import replay_settings
 from shim.transport.hooks import FinishedCall, RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config

@@ -23,7 +23,7 @@ import pytest
 
 from shim.cri.methods import CRI_METHODS
 from shim.evidence.metrics import Metrics
-from shim.testing.h2_storm import reset_storm
+from memqos_dev.testing.h2_storm import reset_storm
 from shim.transport.proxy import CriProxy
 from shim.transport.relay import PREFACE
 from shim.transport.unary_client import CallError, UnaryClient

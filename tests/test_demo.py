@@ -1,5 +1,5 @@
-"""scripts/demo's engine end to end: real processes (fake runtime, memqos-shim serve) on
-real unix sockets, driven by a kubelet-shaped client."""
+"""`memqos-shim demo` end to end: real processes (the demo's stand-in runtime, memqos-shim serve)
+on real unix sockets, driven by a kubelet-shaped client."""
 import json
 
 from shim.tools import demo
@@ -18,4 +18,19 @@ def test_demo_rewrites_every_pod(tmp_path, capsys):
     resize = decisions[("api", "app", "UpdateContainerResources")]
     assert resize["limit"] == 2**30 and resize["request_source"] == "oom-score-adj"
     assert all(r.get("code") == "OK" for r in decisions.values())
-    assert "CreateContainer" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CreateContainer" in out
+    # sizes in Mi/Gi beside the bytes, in the table and in the pod / QoS / node values the
+    # reconciler wrote (it learns the cgroup parents from the stand-in runtime's listings)
+    assert "{} -> {memory.min=256Mi (268435456)}" in out
+    assert "memory.oom.group=1}" in out
+    assert f"/kubepods/pod{demo.PODS[0][1]}  memory.min=256Mi (268435456)" in out
+
+
+def test_sizes_name_mi_or_gi_beside_the_bytes():
+    assert demo.size(0) == "0"
+    assert demo.size(256 * 2**20) == "256Mi (268435456)"
+    assert demo.size(3 * 2**29) == "1.5Gi (1610612736)"
+    assert demo.size(128849019) == "122.9Mi (128849019)"
+    assert demo._fmt_unified({"memory.high": "max", "memory.oom.group": "1", "memory.min": "8388608"}) == \
+        "{memory.high=max, memory.min=8Mi (8388608), memory.oom.group=1}"

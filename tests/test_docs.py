@@ -326,7 +326,7 @@ def _unified_cell(cell: str) -> dict[str, str]:
 @pytest.mark.parametrize("row", table(MEMORY_QOS, ["1.37 kubelet", "container"]),
                          ids=lambda r: f"{r['1.37 kubelet']}-{r['container']}")
 def test_v137_worked_example_containers(row):
-    from shim.testing.kubelet_requests import kubelet_unified
+    from shim.tools.kubelet_requests import kubelet_unified
     from shim.node.facts import node_facts
 
     assert "1850703872" in MEMORY_QOS.read_text(encoding="utf-8") and V137_ALLOC == 1850703872

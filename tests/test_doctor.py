@@ -209,7 +209,7 @@ def test_kubelet_endpoint_from_env_file(node):
 
 
 def test_upstream_and_shim_socket_against_the_fake_runtime():
-    from shim.testing.fake_runtime import FakeRuntimeServer
+    from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 
     base = Path(tempfile.mkdtemp(prefix="mqd-"))
     with FakeRuntimeServer(base / "rt.sock") as rt:

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from shim.evidence.trace import open_text
-from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, TRACES_DIR, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, TRACES_DIR, trace_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = str(TRACES_DIR)

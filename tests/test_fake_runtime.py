@@ -1,7 +1,7 @@
 """The fake CRI runtime: real gRPC on a unix socket, driven with the generated stubs.
 
 Expected status codes and messages come from containerd's pkg/cri/server sources and from what
-containerd 1.6.20 answered in tests/data/traces (see shim/testing/fake_runtime/).
+containerd 1.6.20 answered in tests/data/traces (see memqos_dev/testing/fake_runtime/).
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ import grpc
 import pytest
 
 from shim.cri import api_pb2_grpc, pb
-from shim.testing.fake_runtime import (
+from memqos_dev.testing.fake_runtime import (
     BUSYBOX_IMAGE_ID,
     FakeRuntime,
     FakeRuntimeServer,
     serve_fake_runtime,
 )
 from shim.evidence.trace import open_text
-from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE_OFF = trace_file(MEMQOS_OFF)
@@ -621,7 +621,7 @@ def test_command_line(tmp_path):
     path = _sock(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shim.testing.fake_runtime", "--listen", str(path), "--cgroup-driver", "systemd",
+        [sys.executable, "-m", "memqos_dev.testing.fake_runtime", "--listen", str(path), "--cgroup-driver", "systemd",
          "--delay", "Version=0.01", "--fail", "PullImage=UNAVAILABLE:registry down"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from shim.cri import pb
-from shim.testing.fake_runtime import FakeRuntime, container_cgroup, expand_slice
-from shim.testing.kubelet_requests import create_container, sandbox_config
+from memqos_dev.testing.fake_runtime import FakeRuntime, container_cgroup, expand_slice
+from shim.tools.kubelet_requests import create_container, sandbox_config
 
 UID = "b1013052-e446-98fd-e2f5-96c3bd9b3930"
 U_ = UID.replace("-", "_")

@@ -32,7 +32,7 @@ from shim.app.service import HookChain, build_container_qos
 from shim.cri import pb
 from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
 from shim.decision import NodeFacts, Policy
-from shim.testing.kubelet_requests import create_container, sandbox_config, update_resources
+from shim.tools.kubelet_requests import create_container, sandbox_config, update_resources
 from shim.transport.hooks import RpcCall, guarded_rewrite
 from shim.transport.relay import PREFACE, Buffer, Connection, RelayProxy
 from shim.transport.unary_client import CallError, UnaryClient

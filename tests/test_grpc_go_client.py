@@ -44,12 +44,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-import shim.testing.fake_runtime.records as fake_runtime_records
+import memqos_dev.testing.fake_runtime.records as fake_runtime_records
 from shim.cri import pb
-from shim.testing.fake_runtime import FakeRuntimeServer
-from shim.testing.kubelet_requests import create_container, sandbox_config
+from memqos_dev.testing.fake_runtime import FakeRuntimeServer
+from shim.tools.kubelet_requests import create_container, sandbox_config
 from shim.evidence.trace import open_text
-from shim.testing.traces import MEMQOS_OFF, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF, trace_file
 
 try:
     from tests.test_serve import ALLOC, CAPACITY, Shim, expected_high, short_dir

@@ -1,5 +1,7 @@
 """The house plan holds: rooms are folders, modules stay readable, rooms meet only through
-public names, and the docs' layout tables name the folders that exist (docs/architecture.md)."""
+public names, the runtime package imports neither the development package beside it nor
+grpcio outside the grpc transport, and the docs' layout tables name the folders that exist
+(docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
@@ -10,12 +12,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHIM = REPO / "shim"
+DEV = REPO / "memqos_dev"  # tests, benchmarks and scripts: beside the wheel, not in it
 GENERATED = {"shim/cri/api_pb2.py", "shim/cri/api_pb2_grpc.py"}
 MAX_LINES = 600
 
 
-def modules() -> list[Path]:
-    return sorted(p for p in SHIM.rglob("*.py") if "__pycache__" not in p.parts)
+def modules(top: Path = SHIM) -> list[Path]:
+    return sorted(p for p in top.rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def rel(p: Path) -> str:
@@ -38,7 +41,7 @@ def rooms() -> set[str]:
 
 
 def test_no_module_above_the_limit_outside_generated_code():
-    too_long = {rel(p): n for p in modules()
+    too_long = {rel(p): n for p in modules() + modules(DEV)
                 if rel(p) not in GENERATED and (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert too_long == {}
 
@@ -90,6 +93,46 @@ def layout_rows(doc: Path) -> set[str]:
 @pytest.mark.parametrize("doc", ["docs/architecture.md"])
 def test_the_layout_tables_name_exactly_the_room_folders(doc):
     assert layout_rows(REPO / doc) == rooms()
+
+
+def dev_rows(doc: Path) -> set[str]:
+    """The folders named in the first column of the table of `memqos_dev/`."""
+    section = doc.read_text(encoding="utf-8").split("## Outside the runtime package", 1)[1]
+    section = re.split(r"\n## ", section, maxsplit=1)[0]
+    return set(re.findall(r"^\| `memqos_dev/([a-z_]+)/` \|", section, flags=re.M))
+
+
+def test_the_dev_table_names_exactly_the_dev_folders():
+    folders = {p.name for p in DEV.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders and dev_rows(REPO / "docs" / "architecture.md") == folders
+
+
+def dev_imports(path: Path, tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found += [f"{rel(path)}:{node.lineno} imports {n}" for n in names
+                  if n == "memqos_dev" or n.startswith("memqos_dev.")]
+    return found
+
+
+def test_the_runtime_package_imports_nothing_of_the_dev_package():
+    """The wheel holds shim/ only: an import of memqos_dev there breaks every installed node.
+    (A module run as ``python -m memqos_dev...`` is spelled in a string; these are searched too.)"""
+    found = []
+    for p in modules():
+        text = p.read_text(encoding="utf-8")
+        found += dev_imports(p, ast.parse(text))
+        found += [f"{rel(p)}: names memqos_dev" for line in text.splitlines()
+                  if "memqos_dev" in line and not line.lstrip().startswith("#")][:1]
+    assert found == []
+
+
+def test_the_dev_import_check_sees_one():
+    tree = ast.parse("import memqos_dev.testing\nfrom memqos_dev.tools import bench_ab\nimport shim.cri\n")
+    assert dev_imports(SHIM / "tools" / "x.py", tree) == [
+        "shim/tools/x.py:1 imports memqos_dev.testing", "shim/tools/x.py:2 imports memqos_dev.tools"]
 
 
 def imports_of_room(room: str) -> set[str]:
@@ -146,3 +189,19 @@ def test_the_method_check_sees_one():
                      'HELD = {"/runtime.v1.RuntimeService/CreateContainer"}\n')
     assert cri_paths_spelled(SHIM / "transport" / "x.py", tree) == [
         "shim/transport/x.py:2: /runtime.v1.RuntimeService/CreateContainer"]
+
+
+GRPC_USERS = {"shim/transport/proxy.py", "shim/cri/api_pb2_grpc.py"}
+
+
+def test_only_the_grpc_transport_imports_grpcio():
+    """grpcio is the [grpc] extra: ``serve`` with the relay, ``nri`` and the operator's commands
+    run without it (tests/test_wheel.py runs them in a virtual environment that lacks it)."""
+    found = set()
+    for p in modules():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(n == "grpc" or n.startswith("grpc.") for n in names):
+                found.add(rel(p))
+    assert found == GRPC_USERS

@@ -3,7 +3,7 @@ memoryReservationPolicy None, memoryThrottlingFactor unset), TieredReservation, 
 
 End to end: the real `serve` (relay transport, reconciler) on a unix socket in front of the
 in-repo fake runtime, a fake cgroup tree of real files, a client sending the requests such a
-kubelet sends (shim.testing.kubelet_requests.kubelet_unified), and the pod / QoS / kubepods values such
+kubelet sends (shim.tools.kubelet_requests.kubelet_unified), and the pod / QoS / kubepods values such
 a kubelet writes itself put into the tree as it would. Checked: what reached the runtime, and
 which cgroup files the shim wrote (never one the kubelet owns)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import pytest
 
 from shim.node.kubelet import kubelet_writes
-from shim.testing.kubelet_requests import kubelet_unified
+from shim.tools.kubelet_requests import kubelet_unified
 from shim.node.facts import kubelet_facts_from_dict
 from tests.reconciler_support import MI
 from tests.test_reconciler import B_UID, G_UID, Stack
@@ -154,7 +154,7 @@ def test_kubelet_owned_values_are_not_zeroed_when_pods_go(stack):
 def test_container_cgroup_files_under_systemd(tmp_path):
     """The values end up in the container's cgroup as runc would write them: the fake runtime
     makes cri-containerd-<id>.scope in the expanded pod slice of the same tree."""
-    from shim.testing.fake_runtime import FakeRuntime
+    from memqos_dev.testing.fake_runtime import FakeRuntime
     from tests.reconciler_support import FakeCgroupTree
 
     tree = FakeCgroupTree(tmp_path / "cgroup", "systemd")

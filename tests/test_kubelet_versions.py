@@ -1,7 +1,7 @@
 """Kubelet 1.22 ... 1.38 Memory QoS semantics: the policies named after the kubelet's
 memoryReservationPolicy (with the aliases request, tiered, none), what each kubelet version
 writes itself (shim.node.kubelet), who owns each value, and the requests such kubelets send
-(shim.testing.kubelet_requests.kubelet_unified, checked against a recorded v1.23 kubelet)."""
+(shim.tools.kubelet_requests.kubelet_unified, checked against a recorded v1.23 kubelet)."""
 from __future__ import annotations
 
 import argparse
@@ -31,12 +31,12 @@ from shim.node.kubelet import (
     ownership,
     parse_version,
 )
-from shim.testing.kubelet_requests import kubelet_unified
+from shim.tools.kubelet_requests import kubelet_unified
 from shim.node.facts import KubeletFacts, kubelet_facts_from_dict
 from shim.node.reconciler import compute_targets
 from shim.tools.doctor import PASS as PASS_
 from shim.tools.doctor import WARN as WARN_
-from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
 
 Mi, Gi = 2**20, 2**30
 G = PodFacts(cgroup_parent="/kubepods/pod0a")

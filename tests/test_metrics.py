@@ -350,7 +350,7 @@ def test_vanished_container_forgotten(tmp_path):
 # -- serve --metrics-address, scraped over HTTP ----------------------------------------------
 def test_serve_metrics_endpoint_end_to_end(tmp_path):
     from shim.cri import pb
-    from shim.testing.fake_runtime import FakeRuntimeServer
+    from memqos_dev.testing.fake_runtime import FakeRuntimeServer
     from tests.test_serve import Shim, create, expected_high, run_pod, short_dir
 
     base = short_dir()

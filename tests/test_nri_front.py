@@ -2,7 +2,7 @@
 
 One table, both modes: for the same pod and container the NRI adjustment leaves the container
 with what proxy mode's rewrite forwards. Then whole sessions against the fake NRI runtime
-(shim/testing/fake_nri_runtime.py) over a real unix socket, with a temporary cgroup tree:
+(memqos_dev/testing/fake_nri_runtime.py) over a real unix socket, with a temporary cgroup tree:
 Synchronize rebuilds the reconciler's node state (values restored, nothing lowered, updates
 for containers created without us), CreateContainer / UpdateContainer answers, the lifecycle
 events writing pod / QoS / kubepods memory.min, a failing handler answered with an empty
@@ -30,8 +30,8 @@ from shim.decision import NodeFacts, Policy
 from shim.decision.memory import NEUTRAL
 from shim.evidence.health import check
 from shim.nri import api_pb2 as pb
-from shim.testing.fake_nri_runtime import FakeNriRuntime, socket_dir
-from shim.testing.kubelet_requests import CAPACITY, MI, cgroup_parent, create_container, oom_score_adj, \
+from memqos_dev.testing.fake_nri_runtime import FakeNriRuntime, socket_dir
+from shim.tools.kubelet_requests import CAPACITY, MI, cgroup_parent, create_container, oom_score_adj, \
     sandbox_config, update_resources
 from shim.transport.hooks import RpcCall
 from tests.reconciler_support import PAGE, FakeCgroupTree, write_kubelet_config, write_meminfo

@@ -14,7 +14,7 @@ from shim.nri import api_pb2 as pb
 from shim.nri import events
 from shim.nri.handler import Handler, unified_adjustment, unified_update
 from shim.nri.plugin import NriPlugin, NriProtocol, register_request
-from shim.testing.fake_nri_runtime import CallFailed, FakeNriRuntime, socket_dir
+from memqos_dev.testing.fake_nri_runtime import CallFailed, FakeNriRuntime, socket_dir
 from shim.transport.ttrpc_mux import TtrpcStatus
 from shim.transport.wire import ttrpc
 

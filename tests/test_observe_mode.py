@@ -20,8 +20,8 @@ from shim.effects import CgroupFS, ContainerCgroups
 from shim.effects.rollout import Rollout
 from shim.effects.systemd import CgroupWriter
 from shim.nri import api_pb2 as nri
-from shim.testing.fake_runtime import FakeRuntimeServer
-from shim.testing.kubelet_requests import create_container, oom_score_adj, update_resources
+from memqos_dev.testing.fake_runtime import FakeRuntimeServer
+from shim.tools.kubelet_requests import create_container, oom_score_adj, update_resources
 from tests.reconciler_support import FakeCgroupTree
 from tests.test_nri_front import TABLE, nri_container, nri_pod
 from tests.test_serve import CAPACITY, MI, Shim, complete_lines, run_pod, short_dir
@@ -167,7 +167,7 @@ def test_sighup_switches_observe_to_enforce_and_a_bad_file_keeps_the_mode():
 def both_modes():
     from shim.evidence.recorder import MethodFilter
     from shim.evidence.trace import read_trace
-    from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
+    from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, trace_file
     from shim.tools.replay import replay, replay_settings
 
     out = {}
@@ -186,7 +186,7 @@ def decisions(records: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("stem", ["on", "off"])
 def test_a_replayed_trace_is_decided_alike_and_forwarded_unchanged_in_observe(both_modes, stem):
-    from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON
+    from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON
 
     trace, results = both_modes[MEMQOS_ON if stem == "on" else MEMQOS_OFF]
     enforce, observe = results["enforce"], results["observe"]
@@ -205,7 +205,7 @@ def test_replay_cli_takes_the_mode(tmp_path, capsys):
     from shim.app.cli import main
     from shim.evidence.recorder import MethodFilter
     from shim.evidence.trace import read_trace, write_trace
-    from shim.testing.traces import MEMQOS_ON, trace_file
+    from memqos_dev.testing.traces import MEMQOS_ON, trace_file
 
     trace = read_trace(str(trace_file(MEMQOS_ON)))
     keep = MethodFilter(None)

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from shim.cri import pb
-from shim.testing.fake_runtime import FakeRuntime
-from shim.testing.kubelet_requests import create_container, sandbox_config
+from memqos_dev.testing.fake_runtime import FakeRuntime
+from shim.tools.kubelet_requests import create_container, sandbox_config
 from tests.reconciler_support import MI, FakeCgroupTree, Kubelet, ServiceThread, serve_args, wait_for
 from tests.test_reconciler import Stack, make_stack  # noqa: F401 (the fixture)
 

@@ -19,8 +19,8 @@ from shim.cri.methods import CRI_METHODS
 from shim.effects import CgroupLayout
 from shim.evidence.trace import read_trace
 from shim.node.reconciler import Reconciler
-from shim.testing.trace_runtime import TraceRuntime
-from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
+from shim.tools.trace_runtime import TraceRuntime
+from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
 from shim.tools.replay import drive, replay_settings
 from shim.transport.proxy import CriProxy
 from tests.reconciler_support import FakeCgroupTree

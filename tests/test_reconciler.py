@@ -10,7 +10,7 @@ import pytest
 
 from shim.cri import pb
 from shim.decision import Policy
-from shim.testing.fake_runtime import FakeRuntime, FakeRuntimeServer
+from memqos_dev.testing.fake_runtime import FakeRuntime, FakeRuntimeServer
 from shim.node.facts import KubeletFacts
 from shim.node.reconciler import Reconciler, ReconcilerObserver
 from shim.transport.hooks import FinishedCall

@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from shim.testing.fake_runtime import FakeRuntimeServer
+from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 from tests.reconciler_support import FakeCgroupTree, Kubelet, read_audit, serve_args, wait_for
 
 MI = 2**20

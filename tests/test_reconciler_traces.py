@@ -27,9 +27,9 @@ from shim.evidence.trace import read_trace
 from shim.node.reconciler import Reconciler, compute_targets
 from shim.tools.replay import drive, replay_settings
 from shim.app.service import build_container_qos, build_request_hooks
-from shim.testing.trace_runtime import TraceRuntime
+from shim.tools.trace_runtime import TraceRuntime
 from shim.transport.proxy import CriProxy
-from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
 from tests.reconciler_support import FakeCgroupTree
 
 ON = trace_file(MEMQOS_ON)

@@ -17,7 +17,7 @@ from shim.evidence.recorder import HIGH_VOLUME_METHODS, MethodFilter, Recorder, 
 from shim.evidence.trace import TraceCall, TraceError, make_header, open_text, read_trace, trace_stem, write_trace
 from shim.cri.methods import CREATE_CONTAINER
 from shim.transport.hooks import FinishedCall
-from shim.testing.traces import all_traces
+from memqos_dev.testing.traces import all_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RES
 from shim.transport.hooks import FinishedCall
 from shim.transport.wire.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
-from shim.testing.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
 
 try:
     from tests.upstream_echo import EchoUpstream, length_delimited, response_bytes

@@ -605,9 +605,9 @@ def test_serve_settings_reach_the_relay_and_hits_are_a_metric(tmp_path):
 
 
 def test_the_h2_limits_probe_runs_on_this_tree():
-    """scripts/h2-limits' probe (shim.tools.h2_limits.run_probes), one short attack: the relay
+    """scripts/h2-limits' probe (memqos_dev.tools.h2_limits.run_probes), one short attack: the relay
     in its subprocess trips it and the well-behaved client gets its answers."""
-    from shim.tools.h2_limits import format_table, run_probes
+    from memqos_dev.tools.h2_limits import format_table, run_probes
 
     rows = run_probes(attacks=("window-overflow",), conns=2, seconds=3.0, max_bytes=1 << 20, baseline_seconds=0.3)
     assert [r["attack"] for r in rows] == ["none", "window-overflow"]

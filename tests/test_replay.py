@@ -15,9 +15,9 @@ from shim.cri import pb
 from shim.decision import Policy
 from shim.evidence.trace import TraceCall, make_header, read_trace, trace_stem, write_trace
 from shim.tools.replay import compare_records, drive, load_records, replay, replay_settings
-from shim.testing.trace_runtime import TraceRuntime, normalized_request
+from shim.tools.trace_runtime import TraceRuntime, normalized_request
 from shim.cri.methods import CREATE_CONTAINER
-from shim.testing.traces import MEMQOS_OFF as MEMQOS_OFF_STEM, MEMQOS_ON as MEMQOS_ON_STEM, SMOKE as SMOKE_STEM, TRACES_DIR, all_traces, trace_file
+from memqos_dev.testing.traces import MEMQOS_OFF as MEMQOS_OFF_STEM, MEMQOS_ON as MEMQOS_ON_STEM, SMOKE as SMOKE_STEM, TRACES_DIR, all_traces, trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -201,7 +201,7 @@ def _call(seq, method, request, responses=(b"",), code="OK", details="", forward
 
 
 def test_runtime_matching_rules_and_misses():
-    from shim.testing.kubelet_requests import create_container, sandbox_config
+    from shim.tools.kubelet_requests import create_container, sandbox_config
 
     status = "/runtime.v1.RuntimeService/ContainerStatus"
     req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable",

@@ -20,7 +20,7 @@ import pytest
 
 from shim.cri import pb
 from shim.evidence.trace import open_text
-from shim.testing.traces import kubelet_traces
+from memqos_dev.testing.traces import kubelet_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBELET_TRACES = kubelet_traces()

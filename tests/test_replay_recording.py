@@ -13,7 +13,7 @@ import pytest
 
 from shim.evidence.recorder import HIGH_VOLUME_METHODS
 from shim.evidence.trace import read_trace
-from shim.testing.traces import kubelet_traces
+from memqos_dev.testing.traces import kubelet_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBELET_TRACES = kubelet_traces()
@@ -54,7 +54,7 @@ def test_recording_through_the_shim_then_replaying_it_gives_the_same_audit_recor
     from shim.app.config import OPTIONS, resolve
     from shim.tools.replay import drive, replay, replay_settings
     from shim.app.service import Service
-    from shim.testing.trace_runtime import TraceRuntime
+    from shim.tools.trace_runtime import TraceRuntime
 
     kubelet = read_trace(str(path))
     sockets = tempfile.mkdtemp(prefix="mq-")  # short: unix socket paths are limited to 107 bytes

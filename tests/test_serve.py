@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from shim.cri import api_pb2_grpc, pb
-from shim.testing.fake_runtime import FakeRuntimeServer
-from shim.testing.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
+from memqos_dev.testing.fake_runtime import FakeRuntimeServer
+from shim.tools.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
 
 MI = 2**20
 GI = 2**30

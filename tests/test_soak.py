@@ -1,4 +1,4 @@
-"""scripts/soak (shim/tools/soak/): how it classifies answers, that its expectation of a rewrite
+"""scripts/soak (memqos_dev/tools/soak/): how it classifies answers, that its expectation of a rewrite
 is the shim's, the --probes hook, and one short run with the runtime killed under load."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from shim.app.service import build_container_qos
 from shim.cri import pb
 from shim.cri.methods import CREATE_CONTAINER
-from shim.testing.kubelet_requests import create_container, sandbox_config
-from shim.tools.soak import __main__ as soak_main
-from shim.tools.soak.checks import LOST, MANGLED, OK, STALE, UNAVAILABLE, Expect, Tally
-from shim.tools.soak.driver import PODS, Context
-from shim.tools.soak.stack import CAPACITY, Faults, Stack
+from shim.tools.kubelet_requests import create_container, sandbox_config
+from memqos_dev.tools.soak import __main__ as soak_main
+from memqos_dev.tools.soak.checks import LOST, MANGLED, OK, STALE, UNAVAILABLE, Expect, Tally
+from memqos_dev.tools.soak.driver import PODS, Context
+from memqos_dev.tools.soak.stack import CAPACITY, Faults, Stack
 from shim.transport.hooks import RpcCall
 
 
@@ -124,7 +124,7 @@ def test_short_soak_with_the_runtime_killed():
     """A few thousand calls with the runtime killed every half second: none lost or mangled.
     (The RSS limit is lifted: a few thousand calls say nothing about growth per 100k.)"""
     proc = subprocess.run(
-        [sys.executable, "-m", "shim.tools.soak", "--calls", "3000", "--warmup", "500", "--kill-every", "0.5",
+        [sys.executable, "-m", "memqos_dev.tools.soak", "--calls", "3000", "--warmup", "500", "--kill-every", "0.5",
          "--down", "0.2", "--clients", "2", "--max-growth-mib", "1e9", "--max-seconds", "90"],
         capture_output=True, text=True, timeout=180)
     out = proc.stdout

@@ -19,8 +19,8 @@ import grpc
 from shim.cri import api_pb2_grpc, pb
 from shim.node import kubelet_version
 from shim.node.kubelet_version import KubeletVersionWatcher
-from shim.testing.fake_runtime import FakeRuntimeServer
-from shim.testing.kubelet_requests import create_container, sandbox_config
+from memqos_dev.testing.fake_runtime import FakeRuntimeServer
+from shim.tools.kubelet_requests import create_container, sandbox_config
 from tests.reconciler_support import MI, wait_for
 
 GI = 2**30
@@ -250,7 +250,7 @@ def test_serve_tells_systemd_it_is_ready_once_its_socket_serves():
 
 
 def test_the_start_latency_script_runs(capsys):
-    from shim.tools.start_latency import main
+    from memqos_dev.tools.start_latency import main
 
     assert main(["-n", "1", "--no-slow"]) == 0
     out = capsys.readouterr().out

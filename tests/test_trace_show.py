@@ -8,7 +8,7 @@ import pytest
 
 from shim.app.cli import main
 from shim.evidence.trace import TraceCall, make_header, read_trace, write_trace
-from shim.testing.traces import MEMQOS_ON, SMOKE, all_traces, trace_file
+from memqos_dev.testing.traces import MEMQOS_ON, SMOKE, all_traces, trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_TRACES = all_traces()

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from shim.cri import pb
-from shim.testing.fake_runtime import FakeRuntimeServer
+from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 from shim.node.runtime_client import RuntimeClient, RuntimeUnavailable
 from shim.transport.unary_client import CallError, UnaryClient
 

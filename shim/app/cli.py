@@ -13,6 +13,7 @@ from typing import Callable
 from shim import __version__, decision
 from shim.app.config import OPTIONS, ConfigError, add_arguments, resolve
 from shim.decision.quantity import QuantityError, format_bytes, parse_bytes
+from shim.transport.grpc_extra import grpc_missing
 
 log = logging.getLogger("memqos-shim")
 
@@ -29,6 +30,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = resolve(args)
     except ConfigError as e:
         print(f"memqos-shim: {e}", file=sys.stderr)
+        return 2
+    if cfg.transport == "grpc" and (missing := grpc_missing("--transport grpc")):
+        print(f"memqos-shim: {missing}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
@@ -404,3 +408,12 @@ def _register_health(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_health)
+
+
+def _register_demo(sub) -> None:
+    from shim.tools.demo import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_demo)

@@ -1,2 +1,2 @@
 """Tools: the operator's commands beside `serve` (replay, trace show, reset, doctor, explain
---plot), the demo and the benchmarks. Nothing here runs inside `serve`."""
+--plot, enable-nri, demo). Nothing here runs inside `serve`."""

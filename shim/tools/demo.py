@@ -1,9 +1,10 @@
-"""The demo behind scripts/demo: the shim in front of the in-repo fake runtime, driven
-like a kubelet would drive it, on a fixed 8 GiB node described by files under out/demo/.
+"""`memqos-shim demo` (and scripts/demo): the shim in front of a stand-in runtime
+(``shim.tools.demo_runtime``), driven like a kubelet would drive it, on a fixed 8 GiB node
+described by files in the demo's directory.
 
-Nothing here needs root, containerd or cgroup v2 on the host: the cgroup tree is a
-directory of plain files (the kubelet would have created the pod cgroups; the demo
-does it before each RunPodSandbox).
+Nothing here needs root, containerd, cgroup v2 on the host or anything beyond the runtime
+install: the cgroup tree is a directory of plain files (the kubelet would have created the pod
+cgroups; the demo does it before each RunPodSandbox).
 """
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
-from shim.cri import api_pb2_grpc, pb
-from shim.testing.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
+from shim.cri import pb
+from shim.cri.methods import RUNTIME_SERVICE
+from shim.tools.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
+from shim.transport.unary_client import UnaryClient
 
 MI = 2**20
 GI = 2**30
@@ -62,35 +65,62 @@ def _make_cgroup_dir(path: Path) -> None:
         (path / "memory.high").write_text("max\n")
 
 
+def _accepts(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:  # not there yet, or bound and not yet listening
+        return False
+    finally:
+        s.close()
+
+
 def _wait_for_socket(path: Path, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists():
+        if _accepts(path):
             return
         if proc.poll() is not None:
-            raise SystemExit(f"demo: {what} exited with {proc.returncode}; see its log under out/demo/")
+            raise SystemExit(f"demo: {what} exited with {proc.returncode}; see its log in {path.parent}")
         time.sleep(0.05)
-    raise SystemExit(f"demo: {what} did not create {path} within {timeout}s")
+    raise SystemExit(f"demo: {what} does not accept connections on {path} after {timeout}s")
+
+
+def size(n: int) -> str:
+    """Mi or Gi beside the bytes: '256Mi (268435456)', '1.5Gi (1610612736)', '0'."""
+    if not n:
+        return "0"
+    unit, name = (GI, "Gi") if n >= GI else (MI, "Mi")
+    v = n / unit
+    return f"{v:.0f}{name} ({n})" if n % unit == 0 else f"{v:.1f}{name} ({n})"
+
+
+BYTE_KEYS = frozenset({"memory.min", "memory.low", "memory.high", "memory.max", "memory.swap.max"})
+
+
+def _value(v: str, key: str = "memory.min") -> str:
+    return size(int(v)) if key in BYTE_KEYS and str(v).isdigit() else str(v)
 
 
 def _fmt_unified(u: dict) -> str:
     if not u:
         return "{}"
-    return "{" + ", ".join(f"{k}={v}" for k, v in sorted(u.items())) + "}"
+    return "{" + ", ".join(f"{k}={_value(v, k)}" for k, v in sorted(u.items())) + "}"
 
 
 def print_audit_table(records: list[dict], out=None) -> None:
     out = out or sys.stdout
     rows = [r for r in records if r.get("method") in ("CreateContainer", "UpdateContainerResources")]
     header = ("method", "pod/container", "QoS", "request (source)", "limit", "unified before -> after")
-    print(f"{header[0]:<24} {header[1]:<22} {header[2]:<10} {header[3]:<28} {header[4]:>10}  {header[5]}", file=out)
+    print(f"{header[0]:<24} {header[1]:<22} {header[2]:<10} {header[3]:<36} {header[4]:<20}  {header[5]}", file=out)
     for r in rows:
         who = f"{r.get('pod', '').split('/')[-1]}/{r.get('container', '')}"
         if r.get("event") == "fail-open":
             print(f"{r['method']:<24} {who:<22} fail-open: {r.get('error')}", file=out)
             continue
-        req = f"{r.get('request', 0)} ({r.get('request_source', '')})"
-        print(f"{r['method']:<24} {who:<22} {r.get('qos', ''):<10} {req:<28} {r.get('limit', 0):>10}  "
+        req = f"{size(r.get('request', 0))} {r.get('request_source', '')}"
+        print(f"{r['method']:<24} {who:<22} {r.get('qos', ''):<10} {req:<36} {size(r.get('limit', 0)):<20}  "
               f"{_fmt_unified(r.get('unified_before', {}))} -> {_fmt_unified(r.get('unified_after', {}))}", file=out)
 
 
@@ -114,10 +144,10 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
     procs = []
     try:
         runtime = subprocess.Popen(
-            [sys.executable, "-m", "shim.testing.fake_runtime", "--listen", str(runtime_sock)],
-            stdout=open(out_dir / "fake-runtime.log", "w"), stderr=subprocess.STDOUT, env=env)
+            [sys.executable, "-m", "shim.tools.demo_runtime", "--listen", str(runtime_sock)],
+            stdout=open(out_dir / "runtime.log", "w"), stderr=subprocess.STDOUT, env=env)
         procs.append(runtime)
-        _wait_for_socket(runtime_sock, runtime, "the fake runtime")
+        _wait_for_socket(runtime_sock, runtime, "the demo runtime")
         shim = subprocess.Popen(
             [sys.executable, "-m", "shim", "serve", "--listen", str(shim_sock), "--upstream", str(runtime_sock),
              "--kubelet-config", str(out_dir / "kubelet-config.yaml"), "--cgroup-root", str(cgroot),
@@ -125,7 +155,7 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
             stdout=open(out_dir / "shim.log", "w"), stderr=subprocess.STDOUT, env=env)
         procs.append(shim)
         _wait_for_socket(shim_sock, shim, "memqos-shim")
-        print(f"memqos-shim on {shim_sock} -> fake runtime on {runtime_sock}; node: 8Gi, "
+        print(f"memqos-shim on {shim_sock} -> demo runtime on {runtime_sock}; node: 8Gi, "
               f"kubeReserved 100Mi, systemReserved 100Mi, factor 0.9, page 4096\n")
         drive(f"unix://{shim_sock}", cgroot)
         records = _read_audit(audit, expect=sum(len(p[4]) for p in PODS) + 1)
@@ -134,7 +164,7 @@ def run(out_dir: Path, keep_running: bool = False) -> int:
         if levels:
             print("\npod / QoS / node cgroups with memory.min set (the fake cgroup tree):")
             for p in levels:
-                print(f"  /{p.parent.relative_to(cgroot)}  memory.min={p.read_text().strip()}")
+                print(f"  /{p.parent.relative_to(cgroot)}  memory.min={_value(p.read_text().strip())}")
         print(f"\naudit log: {audit}  (one JSON object per line; shim log: {out_dir / 'shim.log'})")
         if keep_running:
             print("running; Ctrl-C to stop")
@@ -178,10 +208,25 @@ def _read_audit(path: Path, expect: int, timeout: float = 10) -> list[dict]:
         time.sleep(0.05)
 
 
+class _Runtime:
+    """The calls the demo makes, as the kubelet makes them (unary CRI calls on one connection)."""
+
+    def __init__(self, target: str) -> None:
+        self.client = UnaryClient(target, max_message_bytes=16 * MI)
+
+    def __getattr__(self, name: str):
+        response_cls = getattr(pb, f"{name}Response")
+
+        def call(request, timeout: float = 10):
+            raw = self.client.call(RUNTIME_SERVICE + name, request.SerializeToString(), timeout)
+            return response_cls.FromString(raw)
+
+        return call
+
+
 def drive(target: str, cgroot: Path) -> None:
     """RunPodSandbox, CreateContainer, StartContainer for every pod, one resize, one removal."""
-    channel = grpc.insecure_channel(target)
-    rt = api_pb2_grpc.RuntimeServiceStub(channel)
+    rt = _Runtime(target)
     rt.Version(pb.VersionRequest(version="v1"), timeout=10)
     containers: dict[tuple[str, str], str] = {}
     sandboxes: dict[str, str] = {}
@@ -207,15 +252,32 @@ def drive(target: str, cgroot: Path) -> None:
     rt.RemoveContainer(pb.RemoveContainerRequest(container_id=containers[("batch", "job")]), timeout=10)
     rt.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sandboxes["batch"]), timeout=10)
     rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sandboxes["batch"]), timeout=10)
-    channel.close()
+    rt.client.close()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None,
+                   help="directory for the demo's files, recreated (default: a new directory under $TMPDIR)")
+    p.add_argument("--keep-running", action="store_true", help="leave the shim running after the demo")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="memqos-demo-"))
+    return run(out.resolve(), args.keep_running)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="the shim in front of a stand-in runtime, pods of every QoS class "
+                                    "driven through it (no root, no containerd)",
+                       description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=run_args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shim.tools.demo", description=__doc__)
-    p.add_argument("--out", default="out/demo", help="directory for the demo's files (recreated)")
-    p.add_argument("--keep-running", action="store_true", help="leave the shim running after the demo")
-    args = p.parse_args(argv)
-    return run(Path(args.out).resolve(), args.keep_running)
+    p = argparse.ArgumentParser(prog="python -m shim.tools.demo", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":

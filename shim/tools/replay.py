@@ -1,11 +1,13 @@
 """`memqos-shim replay`: run a recorded trace through the shim's real request path.
 
 The request path is the one `serve` runs: a real transport (the HTTP/2 relay by default, like
-`serve`; ``--transport grpc`` for the grpcio proxy) on a real unix socket with the hooks built by ``shim.app.service.build_container_qos`` / ``build_request_hooks``. Upstream is a
-``TraceRuntime`` answering every call with the recorded answer (so container ids and sandbox
-facts are the recorded ones). A grpc client sends every recorded request, one at a time, in
-recorded start order, with the call's seq as ``memqos-replay-seq`` metadata (see
-shim.testing.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
+`serve`; ``--transport grpc`` for the grpcio proxy, the [grpc] extra) on a real unix socket
+with the hooks built by ``shim.app.service.build_container_qos`` / ``build_request_hooks``.
+Upstream is a ``TraceRuntime`` answering every call with the recorded answer (so container ids
+and sandbox facts are the recorded ones). A client (``shim.transport.unary_client``) sends
+every recorded request, one at a time, in recorded start order, with the call's seq as
+``memqos-replay-seq`` metadata (see
+shim.tools.trace_runtime for how calls are matched). The audit records the hooks emit -- one per
 CreateContainer / UpdateContainerResources -- are the result, each tagged with the seq of
 the call that produced it.
 
@@ -220,19 +222,17 @@ def _streaming(call: TraceCall) -> bool:
     return len(call.responses) > 1
 
 
-async def send_call(channel, call: TraceCall, *, timeout: float = CALL_TIMEOUT,
-                    metadata: tuple = ()) -> CallOutcome:
-    """Send one recorded request as raw bytes; return what came back."""
-    import grpc
+def send_call(client, call: TraceCall, *, timeout: float = CALL_TIMEOUT, metadata: tuple = ()) -> CallOutcome:
+    """Send one recorded request as raw bytes on ``client`` (a ``UnaryClient``); return what
+    came back. Blocking: ``drive`` runs it on a thread."""
+    from shim.transport.unary_client import CallError
 
     try:
-        if _streaming(call):
-            stream = channel.unary_stream(call.method)(call.request, timeout=timeout, metadata=metadata)
-            responses = [m async for m in stream]
-        else:
-            responses = [await channel.unary_unary(call.method)(call.request, timeout=timeout, metadata=metadata)]
-    except grpc.aio.AioRpcError as e:
-        return CallOutcome(call, e.code().name, e.details() or "", [])
+        responses = client.call_messages(call.method, call.request, timeout, metadata)
+    except CallError as e:
+        return CallOutcome(call, e.code, e.details, [])
+    if not _streaming(call) and not responses:
+        responses = [b""]
     return CallOutcome(call, "OK", "", responses)
 
 
@@ -240,24 +240,24 @@ async def drive(target: str, calls: Iterable[TraceCall], *,
                 before: Callable[[TraceCall], None] | None = None,
                 after: Callable[[CallOutcome], None] | None = None,
                 timeout: float = CALL_TIMEOUT, tag_seq: bool = True) -> list[CallOutcome]:
-    """Send ``calls`` (already in the wanted order) one at a time to ``target`` (unix://...)."""
-    import grpc
-
-    from shim.testing.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
+    """Send ``calls`` (already in the wanted order) one at a time to ``target`` (unix://...),
+    each on a thread (the shim and the runtime may run on this event loop)."""
+    from shim.tools.trace_runtime import MAX_MESSAGE, REPLAY_SEQ_KEY
+    from shim.transport.unary_client import UnaryClient
 
     outcomes = []
-    async with grpc.aio.insecure_channel(target, options=(
-        ("grpc.max_receive_message_length", MAX_MESSAGE),
-        ("grpc.max_send_message_length", MAX_MESSAGE),
-    )) as channel:
+    client = UnaryClient(target, max_message_bytes=MAX_MESSAGE)
+    try:
         for call in calls:
             if before is not None:
                 before(call)
             md = ((REPLAY_SEQ_KEY, str(call.seq)),) if tag_seq else ()
-            outcome = await send_call(channel, call, timeout=timeout, metadata=md)
+            outcome = await asyncio.to_thread(send_call, client, call, timeout=timeout, metadata=md)
             if after is not None:
                 after(outcome)
             outcomes.append(outcome)
+    finally:
+        client.close()
     return outcomes
 
 
@@ -278,11 +278,15 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
     from shim.app.service import build_container_qos, build_request_hooks
     from shim.cri.methods import CRI_METHODS
     from shim.effects.rollout import Rollout
-    from shim.testing.trace_runtime import TraceRuntime
+    from shim.tools.trace_runtime import TraceRuntime
 
     if transport == "relay":
         from shim.transport.relay import RelayProxy as Proxy
     elif transport == "grpc":
+        from shim.transport.grpc_extra import grpc_missing
+
+        if missing := grpc_missing("replay --transport grpc"):
+            raise ReplayError(missing)
         from shim.transport.proxy import CriProxy as Proxy
     else:
         raise ReplayError(f"unknown transport {transport!r}: relay or grpc")

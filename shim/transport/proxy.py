@@ -24,7 +24,12 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-import grpc
+try:
+    import grpc
+except ImportError as e:  # the [grpc] extra
+    from shim.transport.grpc_extra import grpc_missing
+
+    raise ImportError(grpc_missing("--transport grpc")) from e
 
 from shim.transport.heap import HeapTrimmer
 from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESSAGES

@@ -16,7 +16,9 @@ speaks just enough HTTP/2 for it:
   grpc does (UNAVAILABLE for a refused or lost connection, DEADLINE_EXCEEDED past the timeout).
 
 ``CallError.code`` is the status name (``NOT_FOUND``, ``UNAVAILABLE``...). No compression, no
-TLS, no streaming: what the reconciler, ``reset`` and ``doctor`` need.
+TLS, no client streaming; ``call_messages`` collects a server-streaming answer whole (``replay``
+sends recorded calls with it). What the reconciler, ``reset``, ``doctor``, ``demo`` and ``replay``
+need.
 """
 from __future__ import annotations
 
@@ -159,8 +161,16 @@ class UnaryClient:
             buf += chunk
 
     # -- calls
-    def call(self, method: str, request: bytes, timeout: float) -> bytes:
-        """The answer's message bytes; CallError with the gRPC status otherwise.
+    def call(self, method: str, request: bytes, timeout: float, metadata: tuple = ()) -> bytes:
+        """The answer's one message; CallError with the gRPC status otherwise."""
+        messages = self.call_messages(method, request, timeout, metadata)
+        if len(messages) != 1:
+            raise CallError("INTERNAL", f"{method}: {len(messages)} messages in the answer, not one")
+        return messages[0]
+
+    def call_messages(self, method: str, request: bytes, timeout: float, metadata: tuple = ()) -> list[bytes]:
+        """Every message of the answer; CallError with the gRPC status otherwise. ``metadata``:
+        (name, value) strings sent as request headers.
 
         A connection that was idle may have been closed by the runtime meanwhile: when a call
         on a reused connection finds it closed (or refused by GOAWAY) before any answer, it is
@@ -173,19 +183,20 @@ class UnaryClient:
                 self.close()
                 self._connect(deadline)
             try:
-                return self._attempt(method, request, timeout, deadline)
+                return self._attempt(method, request, timeout, deadline, metadata)
             except _Broken as e:
                 self.close()
                 if fresh or attempt == 2 or time.monotonic() >= deadline:
                     raise CallError("UNAVAILABLE", f"{method}: connection to unix://{self.path} lost ({e})") from None
         raise AssertionError("unreachable")
 
-    def _attempt(self, method: str, request: bytes, timeout: float, deadline: float) -> bytes:
+    def _attempt(self, method: str, request: bytes, timeout: float, deadline: float,
+                 metadata: tuple = ()) -> list[bytes]:
         sid = self._next_sid
         self._next_sid += 2
         try:
             try:
-                return self._call(sid, method, request, timeout, deadline)
+                return self._call(sid, method, request, timeout, deadline, metadata)
             finally:
                 if self._sock is not None and self._owed:
                     self._give_back()
@@ -196,10 +207,13 @@ class UnaryClient:
             self.close()
             raise CallError("INTERNAL", f"{method}: undecodable header block from the runtime ({e})") from None
 
-    def _call(self, sid: int, method: str, request: bytes, timeout: float, deadline: float) -> bytes:
+    def _call(self, sid: int, method: str, request: bytes, timeout: float, deadline: float,
+              metadata: tuple = ()) -> list[bytes]:
         block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", method.encode())
                  + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
                  + literal(b"te", b"trailers") + literal(b"grpc-timeout", timeout_header(timeout)))
+        for name, value in metadata:
+            block += literal(name.lower().encode(), value.encode())
         message_bytes = message(request)
         self._send(frame(HEADERS, END_HEADERS, sid, block))
         stream_window = self._send_initial
@@ -273,14 +287,18 @@ class UnaryClient:
             raise CallError("UNKNOWN", f"{method}: the runtime's answer has no grpc-status")
         if status != "OK":
             raise CallError(status, details)
-        if len(body) < 5:
-            raise CallError("INTERNAL", f"{method}: no message in the answer")
-        if body[0] & 1:
-            raise CallError("INTERNAL", f"{method}: compressed answer (not asked for)")
-        n = int.from_bytes(body[1:5], "big")
-        if n != len(body) - 5:
-            raise CallError("INTERNAL", f"{method}: answer of {len(body) - 5} bytes for a message of {n}")
-        return bytes(body[5:])
+        messages, pos = [], 0
+        while pos < len(body):
+            if len(body) - pos < 5:
+                raise CallError("INTERNAL", f"{method}: a truncated message in the answer")
+            if body[pos] & 1:
+                raise CallError("INTERNAL", f"{method}: compressed answer (not asked for)")
+            n = int.from_bytes(body[pos + 1:pos + 5], "big")
+            if pos + 5 + n > len(body):
+                raise CallError("INTERNAL", f"{method}: answer of {len(body) - pos - 5} bytes for a message of {n}")
+            messages.append(bytes(body[pos + 5:pos + 5 + n]))
+            pos += 5 + n
+        return messages
 
     def _settings(self, payload: bytes) -> int:
         """Apply the runtime's SETTINGS; returns the change of the initial stream window."""

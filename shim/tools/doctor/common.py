@@ -70,24 +70,23 @@ def cgroup_mounts(proc: str) -> list[tuple[str, str, str]]:
 
 def runtime_version(endpoint: str, timeout: float) -> tuple[str, str, str]:
     """(runtime_name, runtime_version, runtime_api_version) by a CRI Version call."""
-    import grpc
-
     from shim.cri import pb
-    from shim.transport.endpoints import grpc_target
+    from shim.cri.methods import RUNTIME_SERVICE
+    from shim.transport.unary_client import UnaryClient
 
-    channel = grpc.insecure_channel(grpc_target(endpoint))
+    client = UnaryClient(endpoint, max_message_bytes=1 << 20, connect_timeout=timeout)
     try:
-        fn = channel.unary_unary("/runtime.v1.RuntimeService/Version",
-                                 request_serializer=pb.VersionRequest.SerializeToString,
-                                 response_deserializer=pb.VersionResponse.FromString)
-        r = fn(pb.VersionRequest(version="v1"), timeout=timeout)
+        raw = client.call(RUNTIME_SERVICE + "Version", pb.VersionRequest(version="v1").SerializeToString(), timeout)
+        r = pb.VersionResponse.FromString(raw)
         return r.runtime_name, r.runtime_version, r.runtime_api_version
     finally:
-        channel.close()
+        client.close()
 
 
 def rpc_error(e: Exception) -> str:
     code = getattr(e, "code", None)
+    if isinstance(code, str):  # shim.transport.unary_client.CallError
+        return f"{code}: {getattr(e, 'details', '')}"
     if callable(code):
         c = code()
         details = e.details() if callable(getattr(e, "details", None)) else ""

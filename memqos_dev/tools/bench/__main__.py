@@ -1,0 +1,82 @@
+"""`scripts/bench` and ``python -m memqos_dev.tools.bench upstream`` (see the package docstring)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import memqos_dev.tools.bench
+from memqos_dev.tools.bench.processes import has_transport_option, run_upstream
+from memqos_dev.tools.bench.report import table
+from memqos_dev.tools.bench.run import median_runs, one_run
+from memqos_dev.tools.bench.workload import DEFAULT_TRACE, QUICK, REPO, TARGETS, Sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["upstream"]:
+        p = argparse.ArgumentParser(prog="python -m memqos_dev.tools.bench upstream")
+        p.add_argument("--listen", required=True)
+        return run_upstream(p.parse_args(argv[1:]).listen)
+    p = argparse.ArgumentParser(prog="scripts/bench", description=memqos_dev.tools.bench.__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one short run (about a minute)")
+    p.add_argument("--runs", type=int, help="runs to take medians over (default 3, --quick 1)")
+    p.add_argument("--transport", default=None,
+                   help="comma-separated transports of `serve` to put side by side (default: every one)")
+    p.add_argument("--load-calls", type=int, help="calls for the RSS-after-load measurement (default 100000)")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="kubelet trace for the steady-state mix")
+    p.add_argument("--json", default=str(REPO / "out" / "bench" / "bench.json"), help="where to write the JSON")
+    args = p.parse_args(argv)
+    sizes = Sizes(**vars(QUICK)) if args.quick else Sizes()
+    if args.runs:
+        sizes.runs = args.runs
+    if args.load_calls:
+        sizes.load_calls = args.load_calls
+    if args.transport is None:
+        transports = ["grpc", "relay"] if has_transport_option() else ["grpc"]
+    else:
+        transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    trace = Path(args.trace) if args.trace else None
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    import compileall
+
+    compileall.compile_dir(str(REPO / "shim"), quiet=1)  # bytecode, as `pip install` leaves it
+    runs = []
+    t_start = time.time()
+    load = [os.getloadavg()[0]]
+    for r in range(sizes.runs):
+        log(f"run {r + 1}/{sizes.runs}")
+        runs.append(one_run(transports, sizes, trace, log))
+        load.append(os.getloadavg()[0])
+    result = {
+        "command": "scripts/bench " + " ".join(argv),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "duration_s": round(time.time() - t_start, 1),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
+                    "loadavg_1min_before_and_after_each_run": [round(x, 2) for x in load]},
+        "sizes": vars(sizes),
+        "targets": {k: {"kind": v[0], "limit": v[1]} for k, v in TARGETS.items()},
+        "runs": runs,
+        "median": median_runs(runs),
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(f"memqos-shim bench: {sizes.runs} run(s), medians; added = via shim − direct, same run "
+          f"(calls alternate between targets); {sizes.load_calls} load calls; "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, 1-min load average "
+          f"{' → '.join(f'{x:.1f}' for x in load)} (other work on the machine adds noise)")
+    print(table(result))
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
