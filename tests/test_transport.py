@@ -933,3 +933,32 @@ def test_wait_for_termination_returns_after_stop(loop, tmp_path):
         await asyncio.wait_for(waiter, 5)
 
     run(loop, body())
+
+
+def test_relay_socket_listens_before_its_path_appears(tmp_path, monkeypatch):
+    """The socket is renamed into place only once it listens: a kubelet (or a test) that finds
+    the path is never refused."""
+    from shim.transport import unixsock
+
+    seen = []
+    real_rename = os.rename
+
+    def rename_after_checking(src, dst):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(src)  # ConnectionRefusedError when nothing listens there yet
+            seen.append(src)
+        finally:
+            probe.close()
+        real_rename(src, dst)
+
+    monkeypatch.setattr(unixsock.os, "rename", rename_after_checking)
+    path = str(tmp_path / "shim.sock")
+    sock, _ = unixsock.bind_private(path, 0o600, None)
+    try:
+        assert seen, "the socket was never renamed into place"
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(path)
+        client.close()
+    finally:
+        sock.close()

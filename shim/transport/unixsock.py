@@ -139,8 +139,12 @@ def bind_private(path: str, mode: int, gid: int | None, backlog: int = 128) -> t
     """A listening socket at ``path`` with its final mode; returns it and (st_dev, st_ino)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        socket_id = bind_staged(path, mode, gid, sock.bind)
-        sock.listen(backlog)
+        def bind_and_listen(tmp_path: str) -> None:
+            # listening before the rename: a client that finds the path is never refused
+            sock.bind(tmp_path)
+            sock.listen(backlog)
+
+        socket_id = bind_staged(path, mode, gid, bind_and_listen)
         sock.setblocking(False)
     except BaseException:
         sock.close()
