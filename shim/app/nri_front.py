@@ -133,7 +133,19 @@ class NriService(Service):
         if self.monitor is not None:
             self.monitor.start()
         if self.metrics is not None:
+            self.metrics.attach(nri=self.plugin)
             self.start_metrics_server()
+
+    def readiness(self) -> list[str]:
+        """/readyz of NRI mode: the runtime has the plugin registered and its first Synchronize
+        on this registration is handled."""
+        if not self.plugin.registered:
+            return [f"not registered with the runtime (NRI socket {self.cfg.nri_socket}"
+                    + (f": {self.plugin.stats.last_error}" if self.plugin.stats.last_error else "") + ")"]
+        protocol = self.plugin.protocol
+        if protocol is None or not protocol.synchronized:
+            return ["registered; the runtime's first Synchronize is not handled yet"]
+        return []
 
     async def stop(self) -> None:
         self._stop.set()

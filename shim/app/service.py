@@ -277,11 +277,45 @@ class Service:
             log.warning("ownership changed now that the kubelet's version is known: %s %s -> %s (%s)",
                         what, c["from"], c["to"], c["why"])
 
-    def start_metrics_server(self) -> None:
-        """Serve /metrics. Metrics are not worth the node: a bind failure is logged and audited,
-        the shim keeps serving the kubelet."""
-        from shim.evidence.metrics import is_loopback, split_address
+    # -- /healthz and /readyz
+    def side_threads(self) -> tuple:
+        return (self.audit, self.reconciler, self.monitor, self.recorder, self.version_watcher)
 
+    def health(self) -> list[str]:
+        """/healthz: what is wrong with the process (empty: healthy): a side thread ended, the
+        relay's event loop ended, the reconciler stuck on an item."""
+        from shim.evidence.probes import dead_threads
+
+        problems = dead_threads(self.side_threads())
+        if self.proxy is not None and not getattr(self.proxy, "alive", True):
+            problems.append("the CRI relay's event loop thread is not running")
+        stuck = getattr(self, "_stuck", None)
+        if stuck is not None and (p := stuck.problem()) is not None:
+            problems.append(p)
+        return problems
+
+    def readiness(self) -> list[str]:
+        """/readyz: why the shim does not do its job yet (empty: ready): the socket not served,
+        the runtime's socket not accepting, the reconciler's first rebuild not done."""
+        from shim.evidence.probes import unix_socket_problem
+        from shim.transport.endpoints import socket_path
+
+        problems = [] if self.proxy is not None else ["the CRI socket is not served yet"]
+        problem = unix_socket_problem(socket_path(self.cfg.upstream))
+        if problem is not None:
+            problems.append(f"the runtime is unreachable (upstream {self.cfg.upstream}): {problem}")
+        if self.reconciler is not None and not self.reconciler.resyncs:
+            problems.append("the reconciler's first rebuild from the runtime is not done yet")
+        return problems
+
+    def start_metrics_server(self) -> None:
+        """Serve /metrics, /healthz and /readyz. Metrics are not worth the node: a bind failure
+        is logged and audited, the shim keeps serving the kubelet."""
+        from shim.evidence.metrics import is_loopback, split_address
+        from shim.evidence.probes import StuckWatch
+
+        self._stuck = StuckWatch(self.reconciler) if self.reconciler is not None else None
+        self.metrics.attach(health=self.health, ready=self.readiness)
         address = self.cfg.metrics_address
         try:
             host, port = self.metrics.serve(address)
@@ -291,7 +325,8 @@ class Service:
             return
         if not is_loopback(split_address(address)[0]):
             log.warning("metrics on %s are reachable from the network: they name pods and containers", address)
-        log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        log.info("metrics on %s/metrics, health on %s/healthz and %s/readyz", base, base, base)
         self.audit.emit({"event": "metrics", "address": f"{host}:{port}"})
 
 
