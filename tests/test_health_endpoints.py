@@ -128,3 +128,37 @@ def test_a_side_thread_that_ended_is_reported_and_a_stopped_one_is_not():
 
 def test_unix_socket_problem_names_the_path(tmp_path):
     assert "No such file" in unix_socket_problem(str(tmp_path / "absent.sock"))
+
+
+def test_nri_readyz_waits_for_registration_and_the_first_synchronize(tmp_path):
+    import asyncio
+
+    from shim.testing.fake_nri_runtime import FakeNriRuntime
+    from tests.test_nri_front import Stack, run
+
+    st = Stack(tmp_path, extra=("--metrics-address", "127.0.0.1:0"))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        service = st.service()
+        await service.start()
+        try:
+            host, port = service.metrics.address
+            url = f"http://{host}:{port}"
+            status, body = await loop.run_in_executor(None, get, f"{url}/readyz")
+            assert status == 503 and "not registered with the runtime" in body and st.sock in body
+            assert (await loop.run_in_executor(None, get, f"{url}/healthz")) == (200, "ok\n")
+            async with FakeNriRuntime(st.sock) as rt:
+                await rt.next_plugin()
+                got = (0, "")
+                for _ in range(200):
+                    got = await loop.run_in_executor(None, get, f"{url}/readyz")
+                    if got[0] == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                assert got == (200, "ok\n")
+                text = (await loop.run_in_executor(None, get, f"{url}/metrics"))[1]
+                assert "memqos_nri_registered 1.0" in text and "memqos_nri_registrations_total 1.0" in text
+        finally:
+            await service.stop()
+    run(main())
