@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from shim.app.config import Config
-from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node
+from shim.app.service import Service, kubelet_ownership, log_ownership, protobuf_backend, read_node
 from shim.container.nri_handler import NriMemoryQoS
 from shim.evidence.audit import AuditLog
 
@@ -93,8 +93,7 @@ class NriService(Service):
         })
         log.info("node: capacity %d, allocatable %d, factor %s, page %d, policy %s, cgroup v2 %s",
                  capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
-        for line in owners.lines():
-            log.info("owner: %s", line)
+        log_ownership(owners, v2, cfg.cgroup_root)
         reconciler = build_nri_reconciler(cfg, kubelet, node, audit.emit, ownership=owners)
         reason = "" if v2 else f"{cfg.cgroup_root}/cgroup.controllers not found (not cgroup v2)"
         handler = NriMemoryQoS(node, cfg.policy, audit.emit, ownership=owners, enabled=v2, disabled_reason=reason,

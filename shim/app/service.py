@@ -87,6 +87,44 @@ def read_node(cfg: Config):
     return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
 
 
+def log_ownership(owners, cgroup_v2: bool, cgroup_root: str) -> None:
+    """Who writes which value, one line per owner and reason; on cgroup v1 (where nothing is
+    written) one warning instead."""
+    if not cgroup_v2:
+        log.warning("%s is not a cgroup v2 hierarchy: containers are created without memory QoS (runc rejects "
+                    "`unified` on cgroup v1), every request is forwarded unchanged", cgroup_root)
+        return
+    for line in owners.summary_lines():
+        log.info("owner %s", line)
+
+
+def warn_missing_upstream(endpoint: str) -> bool:
+    """Say when the runtime's socket is not there (yet): the kubelet's calls are answered
+    UNAVAILABLE until it is. True when a warning was logged."""
+    import os
+    import stat
+
+    from shim.transport.endpoints import socket_path
+
+    try:
+        path = socket_path(endpoint)
+        mode = os.stat(path).st_mode
+    except ValueError:
+        return False  # the transport says why
+    except FileNotFoundError:
+        log.warning("the runtime's socket %s does not exist (upstream: %s, the --upstream flag or `upstream:` in "
+                    "the config file): calls are answered UNAVAILABLE until the runtime listens there", path, endpoint)
+        return True
+    except OSError as e:
+        log.warning("cannot look at the runtime's socket %s (upstream: %s): %s", path, endpoint, e.strerror)
+        return True
+    if not stat.S_ISSOCK(mode):
+        log.warning("%s is not a socket (upstream: %s, the --upstream flag or `upstream:` in the config file): "
+                    "calls are answered UNAVAILABLE", path, endpoint)
+        return True
+    return False
+
+
 def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
     """The transport's CallHooks: the rewriter, then the observers (recorder, ...)."""
     return HookChain(container_qos, observers)
@@ -163,8 +201,7 @@ class Service:
             log.info("%s (version: %s)", writes.summary(), version_how)
         for assumption in writes.assumptions:
             log.warning("kubelet: %s", assumption)
-        for line in owners.lines():
-            log.info("owner: %s", line)
+        log_ownership(owners, v2, cfg.cgroup_root)
         recorder = start_recorder(cfg, node, kubelet, capacity, v2, writes.version) \
             if cfg.record else None
         from shim.node.reconciler import build_reconciler
@@ -210,8 +247,8 @@ class Service:
                                   max_concurrent_streams=self.cfg.max_concurrent_streams)
         if self.metrics is not None:
             self.metrics.attach(transport=self.proxy)
-        await self.proxy.start()
-        log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
+        await self.proxy.start()  # the transport says where it serves and forwards to
+        warn_missing_upstream(self.cfg.upstream)
         # everything below happens while calls are already forwarded
         if self.version_pending:  # the search may take seconds on a cold node
             from shim.node.kubelet_version import KubeletVersionWatcher

@@ -243,12 +243,12 @@ class _LiveCollector:
             g = GaugeMetricFamily("memqos_transport_connections", "kubelet connections the relay serves now")
             g.add_metric([], float(len(connections)))
             yield g
-            g = GaugeMetricFamily("memqos_transport_max_connections", "the relay's --max-connections")
+            g = GaugeMetricFamily("memqos_transport_max_connections", "the relay's max-connections setting")
             g.add_metric([], float(t.max_connections))
             yield g
             c = CounterMetricFamily(
                 "memqos_transport_connections_shed",
-                "connections sent GOAWAY and closed at once: beyond --max-connections (limit), or for want of "
+                "connections sent GOAWAY and closed at once: beyond max-connections (limit), or for want of "
                 "a file descriptor for the kubelet's side or the runtime's (descriptors)", labels=("reason",))
             c.add_metric(["limit"], float(t.shed_limit))
             c.add_metric(["descriptors"], float(t.shed_descriptors))
@@ -263,12 +263,12 @@ class _LiveCollector:
             g = GaugeMetricFamily("memqos_transport_calls_in_flight", "calls the grpc transport is relaying now")
             g.add_metric([], float(t.in_flight))
             yield g
-            g = GaugeMetricFamily("memqos_transport_max_concurrent_calls", "the grpc transport's --max-concurrent-rpcs")
+            g = GaugeMetricFamily("memqos_transport_max_concurrent_calls", "the grpc transport's max-concurrent-rpcs setting")
             g.add_metric([], float(t.max_concurrent_rpcs))
             yield g
             c = CounterMetricFamily(
                 "memqos_transport_calls_at_limit",
-                "calls that brought the grpc transport to --max-concurrent-rpcs (until one ends, grpc answers "
+                "calls that brought the grpc transport to max-concurrent-rpcs (until one ends, grpc answers "
                 "further calls RESOURCE_EXHAUSTED)")
             c.add_metric([], float(t.rpcs_at_limit))
             yield c
