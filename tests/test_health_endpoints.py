@@ -9,6 +9,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from shim.evidence.probes import StuckWatch, dead_threads, unix_socket_problem
 from shim.testing.fake_runtime import FakeRuntimeServer
 from shim.worker import Worker
@@ -112,6 +114,7 @@ def test_a_worker_stuck_on_an_item_is_reported_once_its_probe_is_old():
         w.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the dying thread's SystemExit
 def test_a_side_thread_that_ended_is_reported_and_a_stopped_one_is_not():
     dying, fine = Dying().start(), Blocking().start()
     try:
