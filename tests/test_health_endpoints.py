@@ -165,3 +165,38 @@ def test_nri_readyz_waits_for_registration_and_the_first_synchronize(tmp_path):
         finally:
             await service.stop()
     run(main())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the reconciler's SystemExit
+def test_healthz_fails_when_the_reconciler_thread_ended(tmp_path):
+    import asyncio
+
+    from tests.test_nri_front import Stack, run
+
+    st = Stack(tmp_path, extra=("--metrics-address", "127.0.0.1:0"))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        service = st.service()
+        await service.start()
+        try:
+            host, port = service.metrics.address
+            url = f"http://{host}:{port}/healthz"
+            assert (await loop.run_in_executor(None, get, url)) == (200, "ok\n")
+
+            def end(items):
+                raise SystemExit  # what no `except Exception` in the thread catches
+
+            service.reconciler.handle = end
+            service.reconciler.submit("anything")
+            for _ in range(200):
+                if not service.reconciler.alive:
+                    break
+                await asyncio.sleep(0.05)
+            status, body = await loop.run_in_executor(None, get, url)
+            assert status == 503 and "thread memqos-reconciler is not running" in body
+            text = (await loop.run_in_executor(None, get, f"http://{host}:{port}/metrics"))[1]
+            assert "memqos_healthy 0.0" in text
+        finally:
+            await service.stop()
+    run(main())

@@ -320,15 +320,15 @@ class Service:
 
     def health(self) -> list[str]:
         """/healthz: what is wrong with the process (empty: healthy): a side thread ended, the
-        relay's event loop ended, the reconciler stuck on an item."""
+        relay's event loop ended, the reconciler or the monitor stuck on an item."""
         from shim.evidence.probes import dead_threads
 
         problems = dead_threads(self.side_threads())
         if self.proxy is not None and not getattr(self.proxy, "alive", True):
             problems.append("the CRI relay's event loop thread is not running")
-        stuck = getattr(self, "_stuck", None)
-        if stuck is not None and (p := stuck.problem()) is not None:
-            problems.append(p)
+        for watch in getattr(self, "_stuck", ()):
+            if (p := watch.problem()) is not None:
+                problems.append(p)
         return problems
 
     def readiness(self) -> list[str]:
@@ -351,7 +351,7 @@ class Service:
         from shim.evidence.metrics import is_loopback, split_address
         from shim.evidence.probes import StuckWatch
 
-        self._stuck = StuckWatch(self.reconciler) if self.reconciler is not None else None
+        self._stuck = [StuckWatch(w) for w in (self.reconciler, self.monitor) if w is not None]
         self.metrics.attach(health=self.health, ready=self.readiness)
         address = self.cfg.metrics_address
         try:

@@ -121,7 +121,7 @@ class _LiveCollector:
         if m.nri is not None:
             yield from self._nri(m.nri)
         for name, check, doc in (("memqos_healthy", m.health, "1 while /healthz answers 200 (side threads alive, "
-                                  "the reconciler not stuck)"),
+                                  "the reconciler and the monitor not stuck)"),
                                  ("memqos_ready", m.ready, "1 while /readyz answers 200 (serve: the runtime's "
                                   "socket accepts and the first rebuild is done; nri: registered and synchronized)")):
             if check is not None:
