@@ -432,9 +432,17 @@ KUBELET_VERSION = "1.23"
 
 class Shim:
     def __init__(self, python: str, out_logs: str, scenario: str, kubelet_config: str, meminfo: str,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), settings: dict | None = None):
+        """``extra``: more flags; ``settings``: config-file keys (the tuning settings are no flags),
+        written to <scenario>-config.yaml beside the logs."""
         self.python = python
         self.audit_log = os.path.join(out_logs, f"{scenario}-audit.jsonl")
+        config = []
+        if settings:
+            path = os.path.join(out_logs, f"{scenario}-config.yaml")
+            with open(path, "w") as f:
+                f.write("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
+            config = ["--config", path]
         self.args = [
             "--listen", f"unix://{SHIM_SOCK}",
             "--upstream", f"unix://{CONTAINERD_SOCK}",
@@ -442,6 +450,7 @@ class Shim:
             "--cgroup-root", CGROOT,
             "--meminfo", meminfo,
             "--audit-log", self.audit_log,
+            *config,
             *extra,
         ]
         self.log = os.path.join(out_logs, f"{scenario}-shim.log")
@@ -1144,9 +1153,10 @@ class GuardScenario:
         # the pods' requests are a v1.23 kubelet's with the MemoryQoS gate on (memory.min in unified,
         # as in the recorded memqos-on trace): the shim owns every container value (docs/memory-qos.md)
         extra = ("--kubelet-version", KUBELET_VERSION, "--monitor-interval", f"{self.interval:g}", "--guard-action", action,
-                 "--guard-threshold", f"{self.threshold:g}", "--guard-window", f"{self.window:g}",
-                 "--guard-cooldown", f"{self.cooldown:g}", "--metrics-address", f"127.0.0.1:{port}")
-        self.shim = Shim(self.args.python, self.logs, f"guard-{phase}", self.kubelet_config, "/proc/meminfo", extra)
+                 "--metrics-address", f"127.0.0.1:{port}")
+        settings = {"guard-threshold": self.threshold, "guard-window": self.window, "guard-cooldown": self.cooldown}
+        self.shim = Shim(self.args.python, self.logs, f"guard-{phase}", self.kubelet_config, "/proc/meminfo", extra,
+                         settings)
         self.metrics_address = f"127.0.0.1:{port}"
         dt = self.shim.start()
         self.report.timing(f"guard-{phase}:shim-start", dt)
@@ -1713,7 +1723,7 @@ class ReclaimScenario:
         self.data: dict = {
             "settings": {"monitor_interval": self.INTERVAL, "measure_s": self.MEASURE, "poll": self.POLL,
                          "reader_chunk_mib": self.CHUNK_MIB, "reader_sleep_us": self.SLEEP_US,
-                         "shim_reclaim_flags": "defaults (--reclaim true --reclaim-audit-interval 15)"},
+                         "shim_reclaim_flags": "defaults (--reclaim true, reclaim-audit-interval: 15)"},
             "reader": {"request": self.REQUEST, "limit": self.LIMIT, "factor": self.FACTOR,
                        "memory.high": self.high, "why": self.exp.why},
             "hog": {"request": self.REQUEST, "limit": self.HOG_LIMIT, "memory.high": self.hog_high,
@@ -1771,12 +1781,13 @@ class ReclaimScenario:
     # -- shim and pods
     def start_shim(self, phase: str, reclaim: bool, port: int, more: tuple[str, ...] = ()) -> None:
         extra = more + ("--kubelet-version", KUBELET_VERSION, "--monitor-interval", f"{self.INTERVAL:g}",
-                        "--guard-action", "relax", "--guard-window", "10",
-                 "--guard-cooldown", "600", "--metrics-address", f"127.0.0.1:{port}",
-                 "--reclaim", "true" if reclaim else "false")
+                        "--guard-action", "relax", "--metrics-address", f"127.0.0.1:{port}",
+                        "--reclaim", "true" if reclaim else "false")
+        settings = {"guard-window": 10, "guard-cooldown": 600}
         if reclaim:
-            extra += ("--reclaim-audit-interval", "15")
-        self.shim = Shim(self.args.python, self.logs, f"reclaim-{phase}", self.kubelet_config, "/proc/meminfo", extra)
+            settings["reclaim-audit-interval"] = 15
+        self.shim = Shim(self.args.python, self.logs, f"reclaim-{phase}", self.kubelet_config, "/proc/meminfo", extra,
+                         settings)
         self.metrics_address = f"127.0.0.1:{port}"
         dt = self.shim.start()
         self.report.timing(f"reclaim-{phase}:shim-start", dt)
@@ -2469,8 +2480,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--guard", action="store_true", help="run the PSI guard scenario (after the traces)")
     ap.add_argument("--guard-threshold", type=float, default=40.0, help="guard: PSI full avg10 percent")
     ap.add_argument("--guard-interval", type=float, default=1.0, help="guard: the shim's --monitor-interval")
-    ap.add_argument("--guard-window", type=float, default=10.0, help="guard: the shim's --guard-window")
-    ap.add_argument("--guard-cooldown", type=float, default=20.0, help="guard: the shim's --guard-cooldown")
+    ap.add_argument("--guard-window", type=float, default=10.0, help="guard: the shim's guard-window setting")
+    ap.add_argument("--guard-cooldown", type=float, default=20.0, help="guard: the shim's guard-cooldown setting")
     ap.add_argument("--guard-slack", type=float, default=3.0,
                     help="guard: seconds allowed beyond window + one interval for the guard to act")
     ap.add_argument("--reclaim", action="store_true",

@@ -98,6 +98,12 @@ class Worker:
     def running(self) -> bool:
         return self._thread is not None
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (False before start, after stop, and when it ended on its own)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def start(self) -> "Worker":
         self.stopping = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)

@@ -1,6 +1,6 @@
 """The transports' limits on connections, concurrent calls and file descriptors, on real unix
-sockets: the relay's --max-connections (a connection beyond it gets GOAWAY and is closed, the
-others are served), the grpc transport's --max-concurrent-rpcs under slow calls and under a
+sockets: the relay's max-connections (a connection beyond it gets GOAWAY and is closed, the
+others are served), the grpc transport's max-concurrent-rpcs under slow calls and under a
 rapid-reset storm (raw HEADERS + DATA + RST_STREAM frames), the relay out of file descriptors
 (a subprocess with a low RLIMIT_NOFILE: what cannot be paired is shed and counted, the open
 connections are served, new ones again once descriptors are free), and `serve` raising its
@@ -45,7 +45,10 @@ SETTINGS_FRAME, GOAWAY_FRAME = 4, 7
 def _open_raw(path: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
-    s.sendall(PREFACE + frame(SETTINGS_FRAME, 0, 0))
+    try:
+        s.sendall(PREFACE + frame(SETTINGS_FRAME, 0, 0))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # a connection beyond the limit may be shed before its preface is sent; its frames are still read
     return s
 
 
@@ -336,4 +339,4 @@ def test_serve_raises_its_soft_nofile_limit_to_the_hard_limit(base):
 def test_unit_file_sets_a_descriptor_limit():
     unit = (REPO / "deploy" / "memqos-shim.service").read_text()
     [value] = [ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("LimitNOFILE=")]
-    assert int(value) >= 4 * 128 + 64  # several times what the default --max-connections needs
+    assert int(value) >= 4 * 128 + 64  # several times what the default max-connections needs

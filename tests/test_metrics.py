@@ -355,9 +355,10 @@ def test_serve_metrics_endpoint_end_to_end(tmp_path):
 
     base = short_dir()
     with FakeRuntimeServer(base / "runtime.sock") as runtime:
+        (base / "config.yaml").write_text("guard-window: 0.5\nguard-cooldown: 0.5\n")  # config-file settings
         shim = Shim(base, runtime.address, extra=(
-            "--metrics-address", "127.0.0.1:0", "--monitor-interval", "0.1",
-            "--guard-window", "0.5", "--guard-cooldown", "0.5", "--resync-interval", "0.5"))
+            "--metrics-address", "127.0.0.1:0", "--monitor-interval", "0.1", "--resync-interval", "0.5",
+            "--config", str(base / "config.yaml")))
         try:
             uid = "0123abcd-0000-1111-2222-333344445555"
             sid, sb = run_pod(shim, "crawler", uid, "burstable",

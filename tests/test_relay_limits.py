@@ -561,7 +561,7 @@ def test_the_idle_timeout_is_off_by_default_and_closes_an_idle_connection_when_s
 
 
 def test_serve_settings_reach_the_relay_and_hits_are_a_metric(tmp_path):
-    """`serve --h2-max-concurrent-streams 2`: the third open stream is refused, and
+    """`serve` with `h2-max-concurrent-streams: 2` in its config: the third open stream is refused, and
     memqos_h2_limit_hits{limit="concurrent_streams"} counts it."""
     from shim.app.cli import build_parser
     from shim.app.config import resolve
@@ -571,11 +571,12 @@ def test_serve_settings_reach_the_relay_and_hits_are_a_metric(tmp_path):
     (tmp_path / "cg").mkdir()
     (tmp_path / "cg" / "cgroup.controllers").write_text("cpu memory\n")
     (tmp_path / "meminfo").write_text("MemTotal:       8000000 kB\n")
+    (tmp_path / "config.yaml").write_text("h2-max-concurrent-streams: 2\n")
     cfg = resolve(build_parser().parse_args([
         "serve", "--listen", f"unix://{sockets}/shim.sock", "--upstream", f"unix://{sockets}/rt.sock",
         "--kubelet-config", "none", "--meminfo", str(tmp_path / "meminfo"), "--cgroup-root", str(tmp_path / "cg"),
         "--page-size", "4096", "--audit-log", str(tmp_path / "audit.jsonl"), "--reconcile", "false",
-        "--monitor-interval", "0", "--metrics-address", "127.0.0.1:0", "--h2-max-concurrent-streams", "2"]))
+        "--monitor-interval", "0", "--metrics-address", "127.0.0.1:0", "--config", str(tmp_path / "config.yaml")]))
     assert cfg.h2_max_concurrent_streams == 2 and cfg.h2_max_header_block == MiB
 
     async def run():

@@ -11,7 +11,7 @@ import sys
 from typing import Callable
 
 from shim import __version__, decision
-from shim.app.config import OPTIONS, ConfigError, add_arguments, resolve
+from shim.app.config import OPTIONS, ConfigError, add_arguments, file_only_note, resolve
 from shim.decision.quantity import QuantityError, format_bytes, parse_bytes
 from shim.transport.grpc_extra import grpc_missing
 
@@ -218,6 +218,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
+    if limit and request > limit:  # the API server's validation: such a pod never reaches a node
+        print(f"memqos-shim explain: request {args.request} is above limit {args.limit}: the API server refuses "
+              f"such a container (resources.requests: Invalid value: must be less than or equal to memory "
+              f"limit of {args.limit})", file=sys.stderr)
+        return 2
     if args.qos:
         qos = {q.name.lower(): q for q in decision.QoSClass}[args.qos]
     elif limit > 0 and request == limit:
@@ -328,11 +333,12 @@ def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"memqos-shim {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the CRI proxy")
+    serve = sub.add_parser("serve", help="run the CRI proxy", epilog=file_only_note())
     add_arguments(serve, OPTIONS)
     serve.set_defaults(func=cmd_serve)
 
-    nri = sub.add_parser("nri", help="run as an NRI plugin of containerd / CRI-O (no kubelet change)")
+    nri = sub.add_parser("nri", help="run as an NRI plugin of containerd / CRI-O (no kubelet change)",
+                         epilog=file_only_note())
     add_arguments(nri, OPTIONS)
     nri.set_defaults(func=cmd_nri)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import textwrap
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -250,9 +251,13 @@ def _nri_index(v: Any) -> int:
     return n
 
 
+FLAG, FILE = "flag", "file"  # Option.where: a flag of serve and nri as well as a config key, or a config key only
+
+
 @dataclass(frozen=True)
 class Option:
-    """One setting: the flag --NAME, the YAML key NAME and the Config field NAME_WITH_UNDERSCORES."""
+    """One setting: the YAML key NAME, the Config field NAME_WITH_UNDERSCORES and, unless it is
+    a tuning knob kept in the config file only (``where=FILE``), the flag --NAME."""
 
     name: str  # flag name without --
     type: str  # the Config field's type annotation, e.g. "float | None"
@@ -260,6 +265,7 @@ class Option:
     parse: Callable[[Any], Any]
     help: str
     metavar: str | None = None
+    where: str = FLAG
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -294,62 +300,63 @@ OPTIONS: tuple[Option, ...] = (
     Option("audit-max-bytes", "int", 64 * 1024 * 1024, _quantity,
            "rotate the audit log file before a record would push it past this size (quantity; FILE -> "
            "FILE.1 -> ..., audit-keep files kept, no record split); 0: never by size, for logrotate "
-           "(docs/audit-files.md)", "Q"),
+           "(docs/audit-files.md)", "Q", where=FILE),
     Option("audit-keep", "int", 5, _non_negative_int,
-           "rotated audit log files kept: FILE.1 ... FILE.N, the oldest deleted; 0: the file starts over", "N"),
+           "rotated audit log files kept: FILE.1 ... FILE.N, the oldest deleted; 0: the file starts over", "N", where=FILE),
     Option("page-size", "int | None", None, _positive_int,
            "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
     Option("transport", "str", "relay", _transport,
            "how calls are relayed: relay (an HTTP/2 connection relay that decodes headers and holds only "
            "CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a grpcio server and "
-           "channel per call; about +0.6 ms)"),
+           "channel per call; about +0.6 ms; needs the [grpc] extra: pip install 'memqos-shim[grpc]')"),
     Option("max-connections", "int", 128, _positive_int,
            "kubelet connections the relay serves at once (--transport relay; the kubelet keeps one or two, "
            "crictl and doctor add one each while they run); a connection beyond it is sent GOAWAY and closed at "
-           "once, the open ones are served", "N"),
+           "once, the open ones are served", "N", where=FILE),
     Option("max-concurrent-rpcs", "int", 1000, _positive_int,
            "calls the grpc transport serves at once over all connections (--transport grpc); a call beyond it "
-           "is answered RESOURCE_EXHAUSTED", "N"),
+           "is answered RESOURCE_EXHAUSTED", "N", where=FILE),
     Option("max-concurrent-streams", "int", 1000, _positive_int,
            "streams one kubelet connection may have open at once (--transport grpc; HTTP/2 "
-           "SETTINGS_MAX_CONCURRENT_STREAMS)", "N"),
+           "SETTINGS_MAX_CONCURRENT_STREAMS)", "N", where=FILE),
     Option("socket-mode", "int | None", None, _octal_mode,
-           "socket mode (octal); default 0600, or 0660 with --socket-group"),
+           "socket mode (octal); default 0600, or 0660 with --socket-group", where=FILE),
     Option("h2-max-header-block", "int", 1024 * 1024, _quantity,
            "relay: largest header block (HEADERS + CONTINUATION) a kubelet connection may send, advertised as "
-           "SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY ENHANCE_YOUR_CALM and the connection is closed", "Q"),
+           "SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY ENHANCE_YOUR_CALM and the connection is closed", "Q",
+           where=FILE),
     Option("h2-max-continuations", "int", 128, _positive_int,
-           "relay: most CONTINUATION frames in one header block; beyond it GOAWAY ENHANCE_YOUR_CALM", "N"),
+           "relay: most CONTINUATION frames in one header block; beyond it GOAWAY ENHANCE_YOUR_CALM", "N", where=FILE),
     Option("h2-max-frame-size", "int", 16384, _frame_size,
            "relay: largest frame a client may send, at most what the runtime advertises (SETTINGS_MAX_FRAME_SIZE "
-           "is lowered to it on the way to the client); a larger one is GOAWAY FRAME_SIZE_ERROR", "N"),
+           "is lowered to it on the way to the client); a larger one is GOAWAY FRAME_SIZE_ERROR", "N", where=FILE),
     Option("h2-max-concurrent-streams", "int", 1000, _positive_int,
            "relay: open streams per connection (advertised as SETTINGS_MAX_CONCURRENT_STREAMS); a stream beyond "
-           "it is refused with RST_STREAM REFUSED_STREAM", "N"),
+           "it is refused with RST_STREAM REFUSED_STREAM", "N", where=FILE),
     Option("h2-reset-rate", "float", 200.0, _positive_float,
            "relay: streams a client may reset per second (rapid reset, CVE-2023-44487), over a burst of "
-           "--h2-reset-burst; beyond it GOAWAY ENHANCE_YOUR_CALM", "N"),
-    Option("h2-reset-burst", "int", 400, _positive_int, "relay: resets allowed at once before --h2-reset-rate "
-           "counts", "N"),
+           "h2-reset-burst; beyond it GOAWAY ENHANCE_YOUR_CALM", "N", where=FILE),
+    Option("h2-reset-burst", "int", 400, _positive_int, "relay: resets allowed at once before h2-reset-rate "
+           "counts", "N", where=FILE),
     Option("h2-preface-timeout", "float", 10.0, _positive_float,
-           "relay: seconds a new connection has to send the HTTP/2 preface before it is closed", "S"),
+           "relay: seconds a new connection has to send the HTTP/2 preface before it is closed", "S", where=FILE),
     Option("h2-idle-timeout", "float", 0.0, _non_negative_float,
            "relay: close a connection without an open stream or a byte either way for this many seconds "
-           "(GOAWAY first); 0: never (the kubelet keeps one long-lived connection)", "S"),
+           "(GOAWAY first); 0: never (the kubelet keeps one long-lived connection)", "S", where=FILE),
     Option("meminfo", "str", "/proc/meminfo", str, "where MemTotal is read from"),
     Option("log-level", "str", "info", str, "debug, info, warning or error"),
     Option("record", "str | None", None, _record_path,
            "record every finished CRI call to FILE in the cri-trace format (request as the kubelet sent "
            "it, forwarded bytes when rewritten, responses, code, timing), reopened on SIGHUP; default: off", "FILE"),
     Option("record-max-bytes", "int", 64 * 1024 * 1024, _quantity,
-           "rotate the record file before it grows past this size (quantity)", "Q"),
-    Option("record-keep", "int", 3, _non_negative_int, "rotated record files kept: FILE.1 ... FILE.N", "N"),
+           "rotate the record file before it grows past this size (quantity)", "Q", where=FILE),
+    Option("record-keep", "int", 3, _non_negative_int, "rotated record files kept: FILE.1 ... FILE.N", "N", where=FILE),
     Option("record-methods", "str | None", None, _regex,
            "record only methods whose full path matches REGEX (re.search); default: every method except "
            "the high-volume polling calls (ListContainerStats, ListPodSandboxStats, ContainerStats, "
            "PodSandboxStats, ListContainers, ListPodSandbox, ContainerStatus, PodSandboxStatus, ImageFsInfo, "
-           "Status, Version, ListImages, ImageStatus); 'all' or '.' records every call", "REGEX"),
+           "Status, Version, ListImages, ImageStatus); 'all' or '.' records every call", "REGEX", where=FILE),
     Option("reconcile", "bool", True, _bool,
            "write pod, QoS-class and node (kubepods, reserved) memory.min/memory.low from a side thread; "
            "false leaves those cgroups alone"),
@@ -381,48 +388,96 @@ OPTIONS: tuple[Option, ...] = (
            "memory.high until it is calm again) or none (audit and count only)"),
     Option("guard-threshold", "float", 40.0, _percent,
            "PSI memory.pressure 'full' avg10 (percent) at or above which a container at memory.high counts as "
-           "crawling", "PCT"),
+           "crawling", "PCT", where=FILE),
     Option("guard-window", "float", 30.0, _positive_float,
-           "seconds the crawl must last before the guard acts", "S"),
+           "seconds the crawl must last before the guard acts", "S", where=FILE),
     Option("guard-cooldown", "float", 300.0, _positive_float,
-           "seconds a relaxed container must stay calm before its computed memory.high is restored", "S"),
+           "seconds a relaxed container must stay calm before its computed memory.high is restored", "S", where=FILE),
     Option("guard-state", "str | None", "auto", _optional_path,
            "file that keeps the guard's open episodes (relaxed containers and the memory.high to restore) so a "
            "restarted shim resumes them; 'auto': guard-episodes.json next to the --listen socket; 'none': in "
-           "memory only (a restart leaves relaxed containers at max)", "FILE"),
+           "memory only (a restart leaves relaxed containers at max)", "FILE", where=FILE),
     Option("reclaim", "bool", False, _bool,
            "proactive reclaim: write to a Burstable container's memory.reclaim (kernel >= 5.19) from the monitor "
            "when memory.current comes within the headroom of memory.high, so that its clean page cache is "
            "reclaimed before the kernel throttles it at memory.high; needs --monitor-interval > 0"),
     Option("reclaim-headroom", "float", 10.0, _percent,
            "reclaim once memory.current is within this percentage of memory.high (down to memory.high minus "
-           "1.5 x the headroom)", "PCT"),
+           "1.5 x the headroom)", "PCT", where=FILE),
     Option("reclaim-headroom-min", "int", 8 * 1024 * 1024, _quantity,
-           "the headroom is at least this (quantity)", "Q"),
+           "the headroom is at least this (quantity)", "Q", where=FILE),
     Option("reclaim-step", "int", 32 * 1024 * 1024, _quantity,
-           "at most this much per memory.reclaim write (quantity)", "Q"),
+           "at most this much per memory.reclaim write (quantity)", "Q", where=FILE),
     Option("reclaim-rate", "int", 16 * 1024 * 1024, _quantity,
-           "at most this much reclaim asked per second and container (quantity; up to 5 s of it saved up)", "Q"),
+           "at most this much reclaim asked per second and container (quantity; up to 5 s of it saved up)", "Q",
+           where=FILE),
     Option("reclaim-psi-some", "float", 10.0, _percent,
            "reclaim only while the container's memory.pressure 'some' avg10 is below this percentage; above it "
-           "right after a reclaim, back off", "PCT"),
+           "right after a reclaim, back off", "PCT", where=FILE),
     Option("reclaim-refault-tolerance", "int", 1024 * 1024, _quantity,
            "back off when the container's refaults (memory.stat workingset_refault_*) grow by more than this "
-           "between two samples: the cache being reclaimed is its working set (quantity)", "Q"),
+           "between two samples: the cache being reclaimed is its working set (quantity)", "Q", where=FILE),
     Option("reclaim-backoff", "float", 60.0, _positive_float,
-           "seconds without reclaim for a container after pressure, refaults or an EAGAIN that freed nothing", "S"),
+           "seconds without reclaim for a container after pressure, refaults or an EAGAIN that freed nothing", "S",
+           where=FILE),
     Option("reclaim-audit-interval", "float", 60.0, _positive_float,
-           "at most one 'reclaim' audit record per container per this many seconds (sums of the writes)", "S"),
+           "at most one 'reclaim' audit record per container per this many seconds (sums of the writes)", "S",
+           where=FILE),
 )
 _BY_KEY = {o.name: o for o in OPTIONS} | {o.name.replace("-", "_"): o for o in OPTIONS}
 
 
-def add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...] = OPTIONS) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML file with any of these settings")
+def shown_default(o: Option) -> str:
+    """The default as --help says it: none, true/false, the Policy's name, or the value."""
+    if o.default is None:
+        return "none"
+    if isinstance(o.default, bool):
+        return str(o.default).lower()
+    return o.default.value if isinstance(o.default, Policy) else str(o.default)
+
+
+def option_help(o: Option) -> str:
+    """The option's help with its default said once (a help text that says it already is kept)."""
+    return o.help if "default:" in o.help else f"{o.help} (default: {shown_default(o)})"
+
+
+def file_only_note(options: tuple[Option, ...] = OPTIONS) -> str:
+    """The epilog naming the settings that are config-file keys only."""
+    names = ", ".join(o.name for o in options if o.where == FILE)
+    return (f"Tuning settings, in the config file (--config FILE) only: {names}. "
+            "--help-settings describes every setting.")
+
+
+def settings_help(options: tuple[Option, ...] = OPTIONS) -> str:
+    """Every setting as a config-file key: what it does, its default, whether it is also a flag."""
+    out = ["Settings (YAML keys of --config FILE; 'flag': also --NAME on the command line):", ""]
     for o in options:
-        shown = o.default.value if isinstance(o.default, Policy) else o.default
+        out.append(f"{o.name}: {shown_default(o)}{'  (flag)' if o.where == FLAG else ''}")
+        out += textwrap.wrap(o.help, 96, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(out)
+
+
+class _SettingsHelp(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(settings_help() + "\n")
+        parser.exit(0)
+
+
+def add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...] = OPTIONS, *,
+                  listed: bool = True) -> None:
+    """--config and a flag per option that is one (``where=FLAG``); ``listed=False`` keeps the
+    flags out of --help (a command that takes serve's settings without repeating them)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file with any of the settings (flags win over it)")
+    parser.add_argument("--help-settings", action=_SettingsHelp,
+                        help="describe every setting, the config file's tuning keys too, and exit")
+    for o in options:
+        if o.where == FILE:
+            continue
         parser.add_argument(f"--{o.name}", default=None, metavar=o.metavar,
-                            help=f"{o.help} (default: {shown})")
+                            help=option_help(o) if listed else argparse.SUPPRESS)
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -508,6 +563,7 @@ def settings_source(text: str, options: tuple[Option, ...] = OPTIONS) -> str:
         raise ValueError("settings.py: the lines that mark the generated fields are missing")
     body = []
     for o in options:
-        body += textwrap.wrap(f"--{o.name}: {o.help}", 100, initial_indent="    #: ", subsequent_indent="    #: ")
+        said = f"--{o.name}" if o.where == FLAG else f"{o.name} (config file only)"
+        body += textwrap.wrap(f"{said}: {o.help}", 100, initial_indent="    #: ", subsequent_indent="    #: ")
         body.append(f"    {o.name.replace('-', '_')}: {o.type} = {_literal(o.default)}")
     return head + begin + "\n".join(body) + "\n" + end + tail

@@ -4,7 +4,7 @@ Each kubelet connection through the relay costs two file descriptors (the kubele
 the runtime's). systemd starts services with a soft RLIMIT_NOFILE of 1024 unless the unit says
 otherwise, which would cap the shim at about 500 connections by accident; the soft limit is
 raised to the hard one (the unit's ``LimitNOFILE=``), so that the limits that apply are the
-chosen ones: ``--max-connections`` and the unit's value.
+chosen ones: ``max-connections`` and the unit's value.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def raise_nofile_limit(max_connections: int | None = None) -> tuple[int, int]:
     if max_connections is not None and soft != resource.RLIM_INFINITY:
         needed = max_connections * DESCRIPTORS_PER_CONNECTION + DESCRIPTORS_BESIDE_CONNECTIONS
         if soft < needed:
-            log.warning("file descriptors: the limit %d holds about %d connections, fewer than --max-connections "
+            log.warning("file descriptors: the limit %d holds about %d connections, fewer than max-connections "
                         "%d; beyond it new connections are sent GOAWAY and closed (LimitNOFILE= in the unit "
                         "raises it)", soft, (soft - DESCRIPTORS_BESIDE_CONNECTIONS) // DESCRIPTORS_PER_CONNECTION,
                         max_connections)

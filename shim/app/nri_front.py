@@ -18,7 +18,8 @@ import asyncio
 import logging
 
 from shim.app.config import Config
-from shim.app.service import Service, kubelet_ownership, protobuf_backend, read_node, say_mode, start_audit
+from shim.app.service import (Service, kubelet_ownership, log_ownership, protobuf_backend, read_node, say_mode,
+                               start_audit)
 from shim.container.nri_handler import NriMemoryQoS
 from shim.effects.rollout import Rollout
 from shim.evidence.audit import AuditLog
@@ -97,8 +98,7 @@ class NriService(Service):
         })
         log.info("node: capacity %d, allocatable %d, factor %s, page %d, policy %s, cgroup v2 %s",
                  capacity, node.allocatable, node.factor, page, cfg.policy.value, v2)
-        for line in owners.lines():
-            log.info("owner: %s", line)
+        log_ownership(owners, v2, cfg.cgroup_root)
         say_mode(rollout)
         reconciler = build_nri_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
         reason = "" if v2 else f"{cfg.cgroup_root}/cgroup.controllers not found (not cgroup v2)"
@@ -139,7 +139,19 @@ class NriService(Service):
         if self.monitor is not None:
             self.monitor.start()
         if self.metrics is not None:
+            self.metrics.attach(nri=self.plugin)
             self.start_metrics_server()
+
+    def readiness(self) -> list[str]:
+        """/readyz of NRI mode: the runtime has the plugin registered and its first Synchronize
+        on this registration is handled."""
+        if not self.plugin.registered:
+            return [f"not registered with the runtime (NRI socket {self.cfg.nri_socket}"
+                    + (f": {self.plugin.stats.last_error}" if self.plugin.stats.last_error else "") + ")"]
+        protocol = self.plugin.protocol
+        if protocol is None or not protocol.synchronized:
+            return ["registered; the runtime's first Synchronize is not handled yet"]
+        return []
 
     async def stop(self) -> None:
         self._stop.set()

@@ -95,6 +95,44 @@ def start_audit(cfg: Config) -> AuditLog:
     return AuditLog(cfg.audit_log, max_bytes=cfg.audit_max_bytes, keep=cfg.audit_keep).start()
 
 
+def log_ownership(owners, cgroup_v2: bool, cgroup_root: str) -> None:
+    """Who writes which value, one line per owner and reason; on cgroup v1 (where nothing is
+    written) one warning instead."""
+    if not cgroup_v2:
+        log.warning("%s is not a cgroup v2 hierarchy: containers are created without memory QoS (runc rejects "
+                    "`unified` on cgroup v1), every request is forwarded unchanged", cgroup_root)
+        return
+    for line in owners.summary_lines():
+        log.info("owner %s", line)
+
+
+def warn_missing_upstream(endpoint: str) -> bool:
+    """Say when the runtime's socket is not there (yet): the kubelet's calls are answered
+    UNAVAILABLE until it is. True when a warning was logged."""
+    import os
+    import stat
+
+    from shim.transport.endpoints import socket_path
+
+    try:
+        path = socket_path(endpoint)
+        mode = os.stat(path).st_mode
+    except ValueError:
+        return False  # the transport says why
+    except FileNotFoundError:
+        log.warning("the runtime's socket %s does not exist (upstream: %s, the --upstream flag or `upstream:` in "
+                    "the config file): calls are answered UNAVAILABLE until the runtime listens there", path, endpoint)
+        return True
+    except OSError as e:
+        log.warning("cannot look at the runtime's socket %s (upstream: %s): %s", path, endpoint, e.strerror)
+        return True
+    if not stat.S_ISSOCK(mode):
+        log.warning("%s is not a socket (upstream: %s, the --upstream flag or `upstream:` in the config file): "
+                    "calls are answered UNAVAILABLE", path, endpoint)
+        return True
+    return False
+
+
 def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
     """The transport's CallHooks: the rewriter, then the observers (recorder, ...)."""
     return HookChain(container_qos, observers)
@@ -175,8 +213,7 @@ class Service:
             log.info("%s (version: %s)", writes.summary(), version_how)
         for assumption in writes.assumptions:
             log.warning("kubelet: %s", assumption)
-        for line in owners.lines():
-            log.info("owner: %s", line)
+        log_ownership(owners, v2, cfg.cgroup_root)
         say_mode(rollout)
         recorder = start_recorder(cfg, node, kubelet, capacity, v2, writes.version) \
             if cfg.record else None
@@ -225,8 +262,8 @@ class Service:
                                   max_concurrent_streams=self.cfg.max_concurrent_streams)
         if self.metrics is not None:
             self.metrics.attach(transport=self.proxy)
-        await self.proxy.start()
-        log.info("serving on %s, forwarding to %s", self.cfg.listen, self.cfg.upstream)
+        await self.proxy.start()  # the transport says where it serves and forwards to
+        warn_missing_upstream(self.cfg.upstream)
         # everything below happens while calls are already forwarded
         if self.version_pending:  # the search may take seconds on a cold node
             from shim.node.kubelet_version import KubeletVersionWatcher
@@ -314,11 +351,45 @@ class Service:
             self.reconciler.enforce_now(f"mode {before} -> {mode}")
         return True
 
-    def start_metrics_server(self) -> None:
-        """Serve /metrics. Metrics are not worth the node: a bind failure is logged and audited,
-        the shim keeps serving the kubelet."""
-        from shim.evidence.metrics import is_loopback, split_address
+    # -- /healthz and /readyz
+    def side_threads(self) -> tuple:
+        return (self.audit, self.reconciler, self.monitor, self.recorder, self.version_watcher)
 
+    def health(self) -> list[str]:
+        """/healthz: what is wrong with the process (empty: healthy): a side thread ended, the
+        relay's event loop ended, the reconciler or the monitor stuck on an item."""
+        from shim.evidence.probes import dead_threads
+
+        problems = dead_threads(self.side_threads())
+        if self.proxy is not None and not getattr(self.proxy, "alive", True):
+            problems.append("the CRI relay's event loop thread is not running")
+        for watch in getattr(self, "_stuck", ()):
+            if (p := watch.problem()) is not None:
+                problems.append(p)
+        return problems
+
+    def readiness(self) -> list[str]:
+        """/readyz: why the shim does not do its job yet (empty: ready): the socket not served,
+        the runtime's socket not accepting, the reconciler's first rebuild not done."""
+        from shim.evidence.probes import unix_socket_problem
+        from shim.transport.endpoints import socket_path
+
+        problems = [] if self.proxy is not None else ["the CRI socket is not served yet"]
+        problem = unix_socket_problem(socket_path(self.cfg.upstream))
+        if problem is not None:
+            problems.append(f"the runtime is unreachable (upstream {self.cfg.upstream}): {problem}")
+        if self.reconciler is not None and not self.reconciler.resyncs:
+            problems.append("the reconciler's first rebuild from the runtime is not done yet")
+        return problems
+
+    def start_metrics_server(self) -> None:
+        """Serve /metrics, /healthz and /readyz. Metrics are not worth the node: a bind failure
+        is logged and audited, the shim keeps serving the kubelet."""
+        from shim.evidence.metrics import is_loopback, split_address
+        from shim.evidence.probes import StuckWatch
+
+        self._stuck = [StuckWatch(w) for w in (self.reconciler, self.monitor) if w is not None]
+        self.metrics.attach(health=self.health, ready=self.readiness)
         address = self.cfg.metrics_address
         try:
             host, port = self.metrics.serve(address)
@@ -328,7 +399,8 @@ class Service:
             return
         if not is_loopback(split_address(address)[0]):
             log.warning("metrics on %s are reachable from the network: they name pods and containers", address)
-        log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        log.info("metrics on %s/metrics, health on %s/healthz and %s/readyz", base, base, base)
         self.audit.emit({"event": "metrics", "address": f"{host}:{port}"})
 
 

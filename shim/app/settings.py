@@ -57,12 +57,12 @@ class Config:
     #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
     #: reopened on SIGHUP (logrotate's create mode)
     audit_log: str | None = "-"
-    #: --audit-max-bytes: rotate the audit log file before a record would push it past this size
-    #: (quantity; FILE -> FILE.1 -> ..., audit-keep files kept, no record split); 0: never by size,
-    #: for logrotate (docs/audit-files.md)
+    #: audit-max-bytes (config file only): rotate the audit log file before a record would push it
+    #: past this size (quantity; FILE -> FILE.1 -> ..., audit-keep files kept, no record split); 0:
+    #: never by size, for logrotate (docs/audit-files.md)
     audit_max_bytes: int = 64 * 1024 * 1024
-    #: --audit-keep: rotated audit log files kept: FILE.1 ... FILE.N, the oldest deleted; 0: the
-    #: file starts over
+    #: audit-keep (config file only): rotated audit log files kept: FILE.1 ... FILE.N, the oldest
+    #: deleted; 0: the file starts over
     audit_keep: int = 5
     #: --page-size: page size for rounding memory.high; default: the system's
     page_size: int | None = None
@@ -70,45 +70,48 @@ class Config:
     socket_group: str | None = None
     #: --transport: how calls are relayed: relay (an HTTP/2 connection relay that decodes headers
     #: and holds only CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a
-    #: grpcio server and channel per call; about +0.6 ms)
+    #: grpcio server and channel per call; about +0.6 ms; needs the [grpc] extra: pip install
+    #: 'memqos-shim[grpc]')
     transport: str = "relay"
-    #: --max-connections: kubelet connections the relay serves at once (--transport relay; the
-    #: kubelet keeps one or two, crictl and doctor add one each while they run); a connection beyond
-    #: it is sent GOAWAY and closed at once, the open ones are served
+    #: max-connections (config file only): kubelet connections the relay serves at once (--transport
+    #: relay; the kubelet keeps one or two, crictl and doctor add one each while they run); a
+    #: connection beyond it is sent GOAWAY and closed at once, the open ones are served
     max_connections: int = 128
-    #: --max-concurrent-rpcs: calls the grpc transport serves at once over all connections
-    #: (--transport grpc); a call beyond it is answered RESOURCE_EXHAUSTED
+    #: max-concurrent-rpcs (config file only): calls the grpc transport serves at once over all
+    #: connections (--transport grpc); a call beyond it is answered RESOURCE_EXHAUSTED
     max_concurrent_rpcs: int = 1000
-    #: --max-concurrent-streams: streams one kubelet connection may have open at once (--transport
-    #: grpc; HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)
+    #: max-concurrent-streams (config file only): streams one kubelet connection may have open at
+    #: once (--transport grpc; HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)
     max_concurrent_streams: int = 1000
-    #: --socket-mode: socket mode (octal); default 0600, or 0660 with --socket-group
+    #: socket-mode (config file only): socket mode (octal); default 0600, or 0660 with --socket-
+    #: group
     socket_mode: int | None = None
-    #: --h2-max-header-block: relay: largest header block (HEADERS + CONTINUATION) a kubelet
-    #: connection may send, advertised as SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY
+    #: h2-max-header-block (config file only): relay: largest header block (HEADERS + CONTINUATION)
+    #: a kubelet connection may send, advertised as SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY
     #: ENHANCE_YOUR_CALM and the connection is closed
     h2_max_header_block: int = 1 * 1024 * 1024
-    #: --h2-max-continuations: relay: most CONTINUATION frames in one header block; beyond it GOAWAY
-    #: ENHANCE_YOUR_CALM
+    #: h2-max-continuations (config file only): relay: most CONTINUATION frames in one header block;
+    #: beyond it GOAWAY ENHANCE_YOUR_CALM
     h2_max_continuations: int = 128
-    #: --h2-max-frame-size: relay: largest frame a client may send, at most what the runtime
-    #: advertises (SETTINGS_MAX_FRAME_SIZE is lowered to it on the way to the client); a larger one
-    #: is GOAWAY FRAME_SIZE_ERROR
+    #: h2-max-frame-size (config file only): relay: largest frame a client may send, at most what
+    #: the runtime advertises (SETTINGS_MAX_FRAME_SIZE is lowered to it on the way to the client); a
+    #: larger one is GOAWAY FRAME_SIZE_ERROR
     h2_max_frame_size: int = 16384
-    #: --h2-max-concurrent-streams: relay: open streams per connection (advertised as
-    #: SETTINGS_MAX_CONCURRENT_STREAMS); a stream beyond it is refused with RST_STREAM
+    #: h2-max-concurrent-streams (config file only): relay: open streams per connection (advertised
+    #: as SETTINGS_MAX_CONCURRENT_STREAMS); a stream beyond it is refused with RST_STREAM
     #: REFUSED_STREAM
     h2_max_concurrent_streams: int = 1000
-    #: --h2-reset-rate: relay: streams a client may reset per second (rapid reset, CVE-2023-44487),
-    #: over a burst of --h2-reset-burst; beyond it GOAWAY ENHANCE_YOUR_CALM
+    #: h2-reset-rate (config file only): relay: streams a client may reset per second (rapid reset,
+    #: CVE-2023-44487), over a burst of h2-reset-burst; beyond it GOAWAY ENHANCE_YOUR_CALM
     h2_reset_rate: float = 200.0
-    #: --h2-reset-burst: relay: resets allowed at once before --h2-reset-rate counts
+    #: h2-reset-burst (config file only): relay: resets allowed at once before h2-reset-rate counts
     h2_reset_burst: int = 400
-    #: --h2-preface-timeout: relay: seconds a new connection has to send the HTTP/2 preface before
-    #: it is closed
+    #: h2-preface-timeout (config file only): relay: seconds a new connection has to send the HTTP/2
+    #: preface before it is closed
     h2_preface_timeout: float = 10.0
-    #: --h2-idle-timeout: relay: close a connection without an open stream or a byte either way for
-    #: this many seconds (GOAWAY first); 0: never (the kubelet keeps one long-lived connection)
+    #: h2-idle-timeout (config file only): relay: close a connection without an open stream or a
+    #: byte either way for this many seconds (GOAWAY first); 0: never (the kubelet keeps one long-
+    #: lived connection)
     h2_idle_timeout: float = 0.0
     #: --meminfo: where MemTotal is read from
     meminfo: str = "/proc/meminfo"
@@ -118,15 +121,16 @@ class Config:
     #: kubelet sent it, forwarded bytes when rewritten, responses, code, timing), reopened on
     #: SIGHUP; default: off
     record: str | None = None
-    #: --record-max-bytes: rotate the record file before it grows past this size (quantity)
+    #: record-max-bytes (config file only): rotate the record file before it grows past this size
+    #: (quantity)
     record_max_bytes: int = 64 * 1024 * 1024
-    #: --record-keep: rotated record files kept: FILE.1 ... FILE.N
+    #: record-keep (config file only): rotated record files kept: FILE.1 ... FILE.N
     record_keep: int = 3
-    #: --record-methods: record only methods whose full path matches REGEX (re.search); default:
-    #: every method except the high-volume polling calls (ListContainerStats, ListPodSandboxStats,
-    #: ContainerStats, PodSandboxStats, ListContainers, ListPodSandbox, ContainerStatus,
-    #: PodSandboxStatus, ImageFsInfo, Status, Version, ListImages, ImageStatus); 'all' or '.'
-    #: records every call
+    #: record-methods (config file only): record only methods whose full path matches REGEX
+    #: (re.search); default: every method except the high-volume polling calls (ListContainerStats,
+    #: ListPodSandboxStats, ContainerStats, PodSandboxStats, ListContainers, ListPodSandbox,
+    #: ContainerStatus, PodSandboxStatus, ImageFsInfo, Status, Version, ListImages, ImageStatus);
+    #: 'all' or '.' records every call
     record_methods: str | None = None
     #: --reconcile: write pod, QoS-class and node (kubepods, reserved) memory.min/memory.low from a
     #: side thread; false leaves those cgroups alone
@@ -160,45 +164,46 @@ class Config:
     #: --guard-action: what the memory.high guard does when a container crawls at memory.high: relax
     #: (write max to its memory.high until it is calm again) or none (audit and count only)
     guard_action: str = "relax"
-    #: --guard-threshold: PSI memory.pressure 'full' avg10 (percent) at or above which a container
-    #: at memory.high counts as crawling
+    #: guard-threshold (config file only): PSI memory.pressure 'full' avg10 (percent) at or above
+    #: which a container at memory.high counts as crawling
     guard_threshold: float = 40.0
-    #: --guard-window: seconds the crawl must last before the guard acts
+    #: guard-window (config file only): seconds the crawl must last before the guard acts
     guard_window: float = 30.0
-    #: --guard-cooldown: seconds a relaxed container must stay calm before its computed memory.high
-    #: is restored
+    #: guard-cooldown (config file only): seconds a relaxed container must stay calm before its
+    #: computed memory.high is restored
     guard_cooldown: float = 300.0
-    #: --guard-state: file that keeps the guard's open episodes (relaxed containers and the
-    #: memory.high to restore) so a restarted shim resumes them; 'auto': guard-episodes.json next to
-    #: the --listen socket; 'none': in memory only (a restart leaves relaxed containers at max)
+    #: guard-state (config file only): file that keeps the guard's open episodes (relaxed containers
+    #: and the memory.high to restore) so a restarted shim resumes them; 'auto': guard-episodes.json
+    #: next to the --listen socket; 'none': in memory only (a restart leaves relaxed containers at
+    #: max)
     guard_state: str | None = "auto"
     #: --reclaim: proactive reclaim: write to a Burstable container's memory.reclaim (kernel >=
     #: 5.19) from the monitor when memory.current comes within the headroom of memory.high, so that
     #: its clean page cache is reclaimed before the kernel throttles it at memory.high; needs
     #: --monitor-interval > 0
     reclaim: bool = False
-    #: --reclaim-headroom: reclaim once memory.current is within this percentage of memory.high
-    #: (down to memory.high minus 1.5 x the headroom)
+    #: reclaim-headroom (config file only): reclaim once memory.current is within this percentage of
+    #: memory.high (down to memory.high minus 1.5 x the headroom)
     reclaim_headroom: float = 10.0
-    #: --reclaim-headroom-min: the headroom is at least this (quantity)
+    #: reclaim-headroom-min (config file only): the headroom is at least this (quantity)
     reclaim_headroom_min: int = 8 * 1024 * 1024
-    #: --reclaim-step: at most this much per memory.reclaim write (quantity)
+    #: reclaim-step (config file only): at most this much per memory.reclaim write (quantity)
     reclaim_step: int = 32 * 1024 * 1024
-    #: --reclaim-rate: at most this much reclaim asked per second and container (quantity; up to 5 s
-    #: of it saved up)
+    #: reclaim-rate (config file only): at most this much reclaim asked per second and container
+    #: (quantity; up to 5 s of it saved up)
     reclaim_rate: int = 16 * 1024 * 1024
-    #: --reclaim-psi-some: reclaim only while the container's memory.pressure 'some' avg10 is below
-    #: this percentage; above it right after a reclaim, back off
+    #: reclaim-psi-some (config file only): reclaim only while the container's memory.pressure
+    #: 'some' avg10 is below this percentage; above it right after a reclaim, back off
     reclaim_psi_some: float = 10.0
-    #: --reclaim-refault-tolerance: back off when the container's refaults (memory.stat
-    #: workingset_refault_*) grow by more than this between two samples: the cache being reclaimed
-    #: is its working set (quantity)
+    #: reclaim-refault-tolerance (config file only): back off when the container's refaults
+    #: (memory.stat workingset_refault_*) grow by more than this between two samples: the cache
+    #: being reclaimed is its working set (quantity)
     reclaim_refault_tolerance: int = 1 * 1024 * 1024
-    #: --reclaim-backoff: seconds without reclaim for a container after pressure, refaults or an
-    #: EAGAIN that freed nothing
+    #: reclaim-backoff (config file only): seconds without reclaim for a container after pressure,
+    #: refaults or an EAGAIN that freed nothing
     reclaim_backoff: float = 60.0
-    #: --reclaim-audit-interval: at most one 'reclaim' audit record per container per this many
-    #: seconds (sums of the writes)
+    #: reclaim-audit-interval (config file only): at most one 'reclaim' audit record per container
+    #: per this many seconds (sums of the writes)
     reclaim_audit_interval: float = 60.0
     # -- fields generated from OPTIONS by scripts/gen-config: end
 

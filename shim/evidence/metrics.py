@@ -148,6 +148,16 @@ class _LiveCollector:
             for name, n in list(relay.limit_hits.items()):
                 hits.add_metric([name], float(n))
             yield hits
+        if m.nri is not None:
+            yield from self._nri(m.nri)
+        for name, check, doc in (("memqos_healthy", m.health, "1 while /healthz answers 200 (side threads alive, "
+                                  "the reconciler and the monitor not stuck)"),
+                                 ("memqos_ready", m.ready, "1 while /readyz answers 200 (serve: the runtime's "
+                                  "socket accepts and the first rebuild is done; nri: registered and synchronized)")):
+            if check is not None:
+                g = GaugeMetricFamily(name, doc)
+                g.add_metric([], 0.0 if _problems(check) else 1.0)
+                yield g
         rec = m.reconciler
         if rec is not None:
             resyncs = CounterMetricFamily("memqos_reconciler_resyncs", "completed reconciler resyncs with the runtime")
@@ -239,6 +249,22 @@ class _LiveCollector:
             yield from self._reclaim(mon, snap)
 
     @staticmethod
+    def _nri(plugin):
+        """`memqos-shim nri`: the plugin's connections to the runtime and its registration."""
+        st = plugin.stats
+        g = GaugeMetricFamily("memqos_nri_registered", "1 while the runtime has the plugin registered")
+        g.add_metric([], 1.0 if plugin.registered else 0.0)
+        yield g
+        for name, value, doc in (
+                ("memqos_nri_connects", st.connects, "connections the plugin opened to the runtime's NRI socket"),
+                ("memqos_nri_registrations", st.registrations, "registrations the runtime accepted (one per "
+                 "connection; more than one: the plugin was disconnected and registered again)"),
+                ("memqos_nri_failures", st.failures, "connections that failed before or during registration")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
+
+    @staticmethod
     def _transport(t):
         """The transport's limits: the relay's connections and the ones it shed, the grpc
         transport's calls in progress (public counters of either; absent ones are left out)."""
@@ -247,26 +273,32 @@ class _LiveCollector:
             g = GaugeMetricFamily("memqos_transport_connections", "kubelet connections the relay serves now")
             g.add_metric([], float(len(connections)))
             yield g
-            g = GaugeMetricFamily("memqos_transport_max_connections", "the relay's --max-connections")
+            g = GaugeMetricFamily("memqos_transport_max_connections", "the relay's max-connections setting")
             g.add_metric([], float(t.max_connections))
             yield g
             c = CounterMetricFamily(
                 "memqos_transport_connections_shed",
-                "connections sent GOAWAY and closed at once: beyond --max-connections (limit), or for want of "
+                "connections sent GOAWAY and closed at once: beyond max-connections (limit), or for want of "
                 "a file descriptor for the kubelet's side or the runtime's (descriptors)", labels=("reason",))
             c.add_metric(["limit"], float(t.shed_limit))
             c.add_metric(["descriptors"], float(t.shed_descriptors))
+            yield c
+        if getattr(t, "upstream_failures", None) is not None:
+            c = CounterMetricFamily("memqos_transport_upstream_unreachable",
+                                    "kubelet connections whose runtime connection could not be made (their calls "
+                                    "are answered UNAVAILABLE)")
+            c.add_metric([], float(t.upstream_failures))
             yield c
         if getattr(t, "in_flight", None) is not None:
             g = GaugeMetricFamily("memqos_transport_calls_in_flight", "calls the grpc transport is relaying now")
             g.add_metric([], float(t.in_flight))
             yield g
-            g = GaugeMetricFamily("memqos_transport_max_concurrent_calls", "the grpc transport's --max-concurrent-rpcs")
+            g = GaugeMetricFamily("memqos_transport_max_concurrent_calls", "the grpc transport's max-concurrent-rpcs setting")
             g.add_metric([], float(t.max_concurrent_rpcs))
             yield g
             c = CounterMetricFamily(
                 "memqos_transport_calls_at_limit",
-                "calls that brought the grpc transport to --max-concurrent-rpcs (until one ends, grpc answers "
+                "calls that brought the grpc transport to max-concurrent-rpcs (until one ends, grpc answers "
                 "further calls RESOURCE_EXHAUSTED)")
             c.add_metric([], float(t.rpcs_at_limit))
             yield c
@@ -348,15 +380,17 @@ class Metrics:
         self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
         self.relay = None  # the relay transport: its limit_hits
         self.rollout = None  # shim.effects.rollout.Rollout: memqos_mode
+        self.nri = None  # `memqos-shim nri`: the NRI plugin (its stats and registration)
+        self.health = None  # /healthz's check (shim.evidence.probes.Check), from the front end
+        self.ready = None  # /readyz's check
         r.register(_LiveCollector(self))
         self.observer = CriObserver(self)
         self._server = None
-        self._thread = None
         self.address: tuple[str, int] | None = None
 
     # -- wiring
-    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None,
-               recorder=None, rollout=None) -> "Metrics":
+    def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None, nri=None,
+               health=None, ready=None, recorder=None, rollout=None) -> "Metrics":
         if recorder is not None:
             self.recorder = recorder
         if audit is not None:
@@ -383,6 +417,12 @@ class Metrics:
             self.relay = relay
         if rollout is not None:
             self.rollout = rollout
+        if nri is not None:
+            self.nri = nri
+        if health is not None:
+            self.health = health
+        if ready is not None:
+            self.ready = ready
         return self
 
     def timed(self, rewriter) -> TimedRewriter:
@@ -420,20 +460,27 @@ class Metrics:
         return generate_latest(self.registry)
 
     def serve(self, address: str) -> tuple[str, int]:
-        """Start the HTTP server on 'HOST:PORT' (port 0: any free port). Returns the bound address."""
-        from prometheus_client import start_http_server
+        """Start the HTTP server on 'HOST:PORT' (port 0: any free port): /metrics, and /healthz
+        and /readyz from the attached checks (shim.evidence.probes). Returns the bound address."""
+        from shim.evidence.probes import EndpointServer
 
         host, port = split_address(address)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        bound = self._server.server_address
-        self.address = (host, int(bound[1]))
+        server = EndpointServer(self.registry, health=self.health, ready=self.ready)
+        self.address = server.serve(host, port)
+        self._server = server
         return self.address
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
+
+
+def _problems(check) -> list[str]:
+    try:
+        return list(check())
+    except Exception as e:  # noqa: BLE001 - a failing check is a problem, never a failed scrape
+        return [f"{e.__class__.__name__}: {e}"]
 
 
 def split_address(address: str) -> tuple[str, int]:

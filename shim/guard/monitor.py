@@ -505,7 +505,7 @@ def guard_for_ownership(cfg, owners) -> GuardConfig:
 
 
 def episode_file(cfg) -> EpisodeFile | None:
-    """--guard-state: 'auto' is guard-episodes.json next to the shim's socket (a directory only
+    """guard-state: 'auto' is guard-episodes.json next to the shim's socket (a directory only
     the shim writes); none keeps episodes in memory only."""
     path = cfg.guard_state
     if path == "auto":

@@ -277,6 +277,14 @@ class Ownership:
     def lines(self) -> list[str]:
         return [f"{LABELS[k]:38} {self.owners[k]:8} {self.reasons[k]}" for k in LABELS]
 
+    def summary_lines(self) -> list[str]:
+        """One line per owner and reason: 'shim: pod ..., kubepods (why)' -- the values one
+        reason decides are named together, the reason said once."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for k in LABELS:
+            groups.setdefault((self.owners[k], self.reasons[k]), []).append(LABELS[k])
+        return [f"{who}: {', '.join(whats)} ({why})" for (who, why), whats in groups.items()]
+
     def as_dict(self) -> dict:
         return {k: {"owner": self.owners[k], "why": self.reasons[k]} for k in LABELS}
 

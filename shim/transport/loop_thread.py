@@ -61,6 +61,11 @@ class ThreadedProxy:
         return getattr(self._proxy, name)
 
     @property
+    def alive(self) -> bool:
+        """The loop's thread runs (False before start and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def proxy(self) -> Any:
         return self._proxy
 

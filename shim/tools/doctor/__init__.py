@@ -1,6 +1,7 @@
 """`memqos-shim doctor`: is this node ready for the shim, and is the shim set up right?
 
-Every check prints one line, PASS / WARN / FAIL, then what it saw and what to do. A check
+Every check prints one line, PASS / WARN / FAIL, then what it saw and what to do; SKIP when
+a check it depends on FAILed (the guard and reclaim without cgroup v2's memory controller). A check
 never crashes the command: an unexpected error is that check's FAIL with the reason. Exit
 code 0 when nothing failed, 1 otherwise.
 
@@ -13,14 +14,14 @@ import argparse
 import os
 import sys
 
-from shim.tools.doctor.common import FAIL, PASS, WARN, Env, Result, kernel_version
+from shim.tools.doctor.common import FAIL, PASS, SKIP, WARN, Env, Result, kernel_version
 from shim.tools.doctor.kubelet import KubeletChecks
 from shim.tools.doctor.node import NodeChecks
 from shim.tools.doctor.nri import NriChecks
 from shim.tools.doctor.service import ShimChecks
 
-__all__ = ["DEFAULT_CONFIG", "FAIL", "PASS", "WARN", "Doctor", "Env", "Result", "cmd_doctor", "format_results",
-           "kernel_version", "register"]
+__all__ = ["DEFAULT_CONFIG", "FAIL", "PASS", "SKIP", "WARN", "Doctor", "Env", "Result", "cmd_doctor", "format_results",
+           "kernel_version", "register", "skip_without_preconditions"]
 
 DEFAULT_CONFIG = "/etc/memqos-shim/config.yaml"
 
@@ -32,6 +33,13 @@ class Doctor(NodeChecks, KubeletChecks, ShimChecks, NriChecks):
               "check_kubelet_endpoint", "check_upstream", "check_socket", "check_audit_log", "check_guard",
               "check_metrics", "check_reclaim", "check_nri")
 
+    # a check that cannot pass while one of these failed: its pass would say nothing
+    PRECONDITIONS = {
+        "memory controller": ("kernel", "cgroup v2"),
+        "memory.high guard": ("kernel", "cgroup v2", "memory controller"),
+        "proactive reclaim": ("kernel", "cgroup v2", "memory controller"),
+    }
+
     def run(self) -> list[Result]:
         out: list[Result] = []
         for attr in self.CHECKS:
@@ -41,7 +49,20 @@ class Doctor(NodeChecks, KubeletChecks, ShimChecks, NriChecks):
             except Exception as e:  # a check must never take the command down
                 r = Result(name, FAIL, f"the check itself failed: {e.__class__.__name__}: {e}")
             out.extend(r if isinstance(r, list) else [r])
-        return out
+        return skip_without_preconditions(out, self.PRECONDITIONS)
+
+
+def skip_without_preconditions(results: list[Result], preconditions: dict[str, tuple[str, ...]]) -> list[Result]:
+    """A PASS whose precondition FAILed becomes SKIP ("not checked: ..."); a WARN or FAIL stays:
+    what it says holds whatever the precondition."""
+    failed = {r.name: r for r in results if r.verdict == FAIL}
+    out = []
+    for r in results:
+        missing = [name for name in preconditions.get(r.name, ()) if name in failed]
+        if r.verdict == PASS and missing:
+            r = Result(r.name, SKIP, f"not checked: {' and '.join(missing)} failed (above)")
+        out.append(r)
+    return out
 
 
 # -- command -------------------------------------------------------------------------------
@@ -52,8 +73,8 @@ def format_results(results: list[Result], header: str = "") -> str:
         lines.append(f"{r.verdict.upper():4}  {r.name:<{width}}  {r.summary}")
         for d in r.details:
             lines.append(f"{'':4}  {'':<{width}}    {d}")
-    n = {v: sum(r.verdict == v for r in results) for v in (PASS, WARN, FAIL)}
-    lines.append(f"{n[PASS]} pass, {n[WARN]} warn, {n[FAIL]} fail")
+    n = {v: sum(r.verdict == v for r in results) for v in (PASS, WARN, SKIP, FAIL)}
+    lines.append(f"{n[PASS]} pass, {n[WARN]} warn, " + (f"{n[SKIP]} skip, " if n[SKIP] else "") + f"{n[FAIL]} fail")
     return "\n".join(lines)
 
 
@@ -85,6 +106,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "doctor", help="check this node and the shim's setup (pass/warn/fail per check)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p, OPTIONS)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every flag of `memqos-shim serve` is taken too (`memqos-shim serve --help` lists them).")
+    add_arguments(p, OPTIONS, listed=False)
     p.set_defaults(func=cmd_doctor)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
+SKIP = "skip"  # not checked: a check it depends on failed
 KUBELET_ENV_FILES = ("/var/lib/kubelet/kubeadm-flags.env", "/etc/default/kubelet", "/etc/sysconfig/kubelet")
 KUBELET_UNIT_DIRS = ("/etc/systemd/system/kubelet.service.d", "/usr/lib/systemd/system/kubelet.service.d",
                      "/lib/systemd/system/kubelet.service.d")

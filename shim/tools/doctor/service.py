@@ -134,7 +134,7 @@ class ShimChecks(CheckBase):
         except ValueError as e:
             return [], [f"guard state: {e}"]
         if episodes is None:
-            return ["episodes in memory only (--guard-state none): a restart leaves relaxed containers at max"], []
+            return ["episodes in memory only (guard-state: none): a restart leaves relaxed containers at max"], []
         found = episodes.load()
         details = [f"episodes kept in {episodes.path}: {len(found)} open"]
         for e in found[:10]:

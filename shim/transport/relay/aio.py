@@ -329,6 +329,7 @@ class RelayProxy:
         # runtime's)
         self.shed_limit = 0
         self.shed_descriptors = 0
+        self.upstream_failures = 0  # kubelet connections whose runtime connection could not be made
         self.held_total = 0
         self.stopping = False
         self._trim_pending = False
@@ -379,6 +380,7 @@ class RelayProxy:
         self._limit_logs[name]("a kubelet connection", detail)
 
     def upstream_down(self, details: str) -> None:
+        self.upstream_failures += 1
         self._down("a new kubelet connection", details)
 
     def _shed_unaccepted(self, error: OSError) -> bytes:
