@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import require_tool
+
 from shim.app import cli
 from shim.evidence.audit import AuditLog
 from shim.evidence.metrics import Metrics
@@ -224,7 +226,9 @@ def test_serve_reopens_the_audit_log_and_the_recording_on_sighup():
     base = short_dir()
     calls = base / "calls.jsonl"
     with FakeRuntimeServer(base / "runtime.sock") as runtime:
-        shim = Shim(base, runtime.address, extra=("--record", str(calls), "--record-methods", "all",
+        settings = base / "shim.yaml"
+        settings.write_text("record-methods: all\n")  # a config-file key only
+        shim = Shim(base, runtime.address, extra=("--config", str(settings), "--record", str(calls),
                                                   "--reconcile", "false", "--kubelet-version", "1.30"))
         try:
             sid, sb = run_pod(shim, "before", "11111111-0000-4000-8000-000000000001", "burstable")
@@ -307,12 +311,11 @@ def test_the_logrotate_rules_name_the_deployed_audit_log_and_signal_the_main_pro
     assert (ROOT / "deploy" / "memqos-shim.service").exists()
 
 
-@pytest.mark.skipif(not any(os.access(os.path.join(d, "logrotate"), os.X_OK)
-                            for d in ("/usr/sbin", "/usr/bin", "/sbin")), reason="logrotate not installed")
 def test_logrotate_with_the_shipped_rules_rotates_a_running_shim_without_losing_a_record():
     """The shipped rules, run by logrotate itself against a real `serve` (the path and the signal's
     target replaced by this test's): three forced rotations with calls in between; every record
     is in exactly one file, whole, and the shim writes to the file logrotate created."""
+    logrotate = require_tool("logrotate")
     from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 
     try:
@@ -342,7 +345,7 @@ def test_logrotate_with_the_shipped_rules_rotates_a_running_shim_without_losing_
                     shim.record_for(cid)
                 if round_ < 3:
                     time.sleep(1.1)  # a new second for logrotate's dated name (%s)
-                    out = subprocess.run(["logrotate", "-f", "-s", str(base / "logrotate.state"), str(conf)],
+                    out = subprocess.run([logrotate, "-f", "-s", str(base / "logrotate.state"), str(conf)],
                                          capture_output=True, text=True, timeout=60)
                     assert out.returncode == 0, out.stderr
                     assert wait_for(lambda: shim.audit.exists())

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.tools import require_tool
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,14 +202,12 @@ def test_the_prometheusrule_holds_the_same_groups():
     assert doc["spec"]["groups"] == rules_doc()["groups"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_accepts_the_rules():
-    out = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require_tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"SUCCESS: {len(alert_rules())} rules found" in out.stdout
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_parses_every_dashboard_query(tmp_path):
     """Each panel's query, with Grafana's variables filled in, as a recording rule: promtool
     parses the PromQL."""
@@ -216,5 +215,5 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
              for i, (_, e) in enumerate(dashboard_exprs())]
     path = tmp_path / "panels.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
-    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require_tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
