@@ -182,7 +182,7 @@ def test_install_puts_a_working_shim_unit_and_config_under_the_root(installed):
     assert (installed / "etc/memqos-shim/config.yaml").read_bytes() == (DEPLOY / "config.yaml").read_bytes()
 
 
-def test_install_again_keeps_the_config_and_repairs_the_package(tmp_path, wheelhouse):
+def test_install_again_keeps_the_config_repairs_the_package_then_uninstall_removes_it(tmp_path, wheelhouse):
     root = tmp_path / "root"
     assert install(root, wheelhouse, "--wheel", the_wheel(wheelhouse)).returncode == 0
     config = root / "etc/memqos-shim/config.yaml"
@@ -196,6 +196,14 @@ def test_install_again_keeps_the_config_and_repairs_the_package(tmp_path, wheelh
     assert "kept" in p.stdout
     assert (root / "etc/memqos-shim/config.yaml.example").read_bytes() == (DEPLOY / "config.yaml").read_bytes()
     assert decision.is_file()
+    # and removed again: the environment and the unit, the config kept, then purged
+    p = run(UNINSTALL, "--root", root)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not (root / "opt/memqos-shim").exists()
+    assert not (root / "etc/systemd/system/memqos-shim.service").exists()
+    assert (root / "etc/memqos-shim/config.yaml").is_file() and "kept" in p.stdout
+    p = run(UNINSTALL, "--root", root, "--purge")
+    assert p.returncode == 0 and not (root / "etc/memqos-shim").exists()
 
 
 def test_install_builds_the_wheel_from_the_checkout_offline(tmp_path, wheelhouse):
@@ -245,18 +253,6 @@ def fake_install(root: Path) -> None:
     shutil.copy(DEPLOY / "memqos-shim.service", root / "etc/systemd/system/memqos-shim.service")
     (root / "etc/memqos-shim").mkdir(parents=True)
     shutil.copy(DEPLOY / "config.yaml", root / "etc/memqos-shim/config.yaml")
-
-
-def test_uninstall_removes_the_real_install_and_keeps_the_config(tmp_path, wheelhouse):
-    root = tmp_path / "root"
-    assert install(root, wheelhouse, "--wheel", the_wheel(wheelhouse)).returncode == 0
-    p = run(UNINSTALL, "--root", root)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert not (root / "opt/memqos-shim").exists()
-    assert not (root / "etc/systemd/system/memqos-shim.service").exists()
-    assert (root / "etc/memqos-shim/config.yaml").is_file() and "kept" in p.stdout
-    p = run(UNINSTALL, "--root", root, "--purge")
-    assert p.returncode == 0 and not (root / "etc/memqos-shim").exists()
 
 
 @pytest.mark.parametrize("path, text", [
