@@ -30,7 +30,7 @@ checkout=$(cd "$here/.." && pwd)
 unit_name=memqos-shim.service
 
 die() { echo "install.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 
 wheel=""
 python=python3

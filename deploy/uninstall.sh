@@ -21,7 +21,7 @@ set -euo pipefail
 unit_name=memqos-shim.service
 
 die() { echo "uninstall.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 
 root=""
 purge=0

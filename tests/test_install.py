@@ -298,3 +298,11 @@ def test_uninstall_leaves_a_directory_it_did_not_make(tmp_path):
     p = run(UNINSTALL, "--root", root)
     assert p.returncode == 1 and "not a virtual environment" in p.stderr
     assert (root / "opt/memqos-shim/data").is_file()
+
+
+@pytest.mark.parametrize("script, words", [(INSTALL, ["--wheel FILE", "--no-index", "--root DIR", "Exit codes"]),
+                                           (UNINSTALL, ["--purge", "--force", "--root DIR", "Exit codes"])])
+def test_help_is_the_scripts_header(script, words):
+    p = run(script, "--help")
+    assert p.returncode == 0 and all(w in p.stdout for w in words)
+    assert "set -euo" not in p.stdout and not p.stdout.startswith("!")
