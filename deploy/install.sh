@@ -122,8 +122,8 @@ if [ "$upgrade" = 1 ]; then
     # the same version number again (a rebuilt wheel): pip would keep the installed files
     pip install --force-reinstall --no-deps "$wheel" || pip_failed "pip install of $(basename "$wheel") failed"
 fi
-"$prefix/bin/memqos-shim" --help >/dev/null 2>>"$log" || pip_failed "$prefix/bin/memqos-shim does not run"
-version=$("$prefix/bin/python" -c 'from importlib.metadata import version; print(version("memqos-shim"))')
+version=$("$prefix/bin/memqos-shim" --version 2>>"$log") || pip_failed "$prefix/bin/memqos-shim does not run"
+version=${version##* }
 echo "== memqos-shim $version in $prefix ($(( $(date +%s) - t0 )) s)"
 
 # -- 4. the unit and the config --------------------------------------------------------------
