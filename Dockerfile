@@ -1,5 +1,6 @@
-# Image that runs the shim. It needs the host's /run (both sockets), /sys/fs/cgroup
-# (read-write) and /var/lib/kubelet/config.yaml; see README "Install on a node".
+# Image that runs the shim: the NRI DaemonSet's (deploy/kubernetes), or in proxy mode a podman
+# container under systemd beside the kubelet (deploy/memqos-shim-podman.service, with every
+# mount it needs); docs/install.md, "The container image".
 # The runtime wheel only, without extras: no grpcio (the [grpc] extra), no test or bench code.
 FROM python:3.11-slim AS wheel
 WORKDIR /src

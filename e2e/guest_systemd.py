@@ -27,6 +27,8 @@ Runs as e2e-driver.service in the guest built by scripts/e2e-systemd-image. Step
      reset` run: every value 0, still 0 after a reload (a reset that wrote only cgroupfs
      would be undone by systemd);
   4. OUT/report-guest.json (checks like e2e/guest.py's) and logs under OUT/logs.
+Then, with --wheelhouse, phase "install" (e2e/guest_install.py): deploy/install.sh from a wheel
+and its wheelhouse, traffic through the installed unit, a kill -9 crash loop, deploy/uninstall.sh.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ sys.path.insert(0, CHECKOUT)
 
 import expect as X  # noqa: E402
 import guest as G  # noqa: E402  (Report, Cri, cg_read, InfraError, images, facts)
+import guest_install  # noqa: E402  (phase "install": deploy/install.sh, the crash loop, uninstall.sh)
 
 CGROOT = G.CGROOT
 RUN = G.RUN
@@ -616,6 +619,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--after-disturb", type=float, default=2.0,
                     help="seconds between the disturbance and reading the values")
     ap.add_argument("--writes", default="auto", help="--systemd-writes of the dbus phase (cgroupfs shows the failure)")
+    ap.add_argument("--wheelhouse", help="the wheel and its dependencies for the install phase (e2e/guest_install.py)")
     args = ap.parse_args(argv)
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -630,7 +634,7 @@ def main(argv: list[str]) -> int:
     g = Guest(args, report)
     try:
         g.setup()
-        for phase in (g.phase_cgroupfs, g.phase_dbus):
+        for phase in (g.phase_cgroupfs, g.phase_dbus, lambda: guest_install.phase_install(g, args.wheelhouse)):
             try:
                 phase()
             finally:

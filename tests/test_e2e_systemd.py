@@ -47,3 +47,7 @@ def test_systemd_guest(tmp_path):
     steps = {c["step"] for c in report["checks"]}
     assert {"cgroupfs/disturbed", "dbus/disturbed", "dbus/live", "dbus/reset-disturbed"} <= steps
     assert report["systemd"]["restore"]["dbus-live"]["watch"]["wrong_samples"] == 0
+    # the host install (e2e/guest_install.py): installed offline, served, survived the crash loop, removed
+    assert {"install/installed", "install/traffic", "install/crash-loop", "install/uninstalled"} <= steps
+    assert report["install"]["restarts_counted"] >= 10
+    assert report["install"]["after_crash_loop"]["ActiveState"] == "active"
