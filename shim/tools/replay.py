@@ -2,7 +2,7 @@
 
 The request path is the one `serve` runs: a real transport (the HTTP/2 relay by default, like
 `serve`; ``--transport grpc`` for the grpcio proxy, the [grpc] extra) on a real unix socket
-with the hooks built by ``shim.app.service.build_container_qos`` / ``build_request_hooks``.
+with the hooks built by ``shim.app.service.build_container_qos`` and ``shim.container.chain.build_request_hooks``.
 Upstream is a ``TraceRuntime`` answering every call with the recorded answer (so container ids
 and sandbox facts are the recorded ones). A client (``shim.transport.unary_client``) sends
 every recorded request, one at a time, in recorded start order, with the call's seq as
@@ -275,7 +275,8 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
                        transport: str = "relay", mode: str = "enforce") -> ReplayResult:
-    from shim.app.service import build_container_qos, build_request_hooks
+    from shim.app.service import build_container_qos
+    from shim.container.chain import build_request_hooks
     from shim.cri.methods import CRI_METHODS
     from shim.effects.rollout import Rollout
     from shim.tools.trace_runtime import TraceRuntime
