@@ -9,14 +9,14 @@ from shim.container.rewriter import ContainerMemoryQoS, container_note
 from shim.cri import pb
 from shim.decision import NodeFacts, Policy
 from shim.cri.methods import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config, update_resources
 
 NODE = NodeFacts(capacity=2060419072, allocatable=1850703872, page_size=4096, factor=0.9)
 
 
 def run(hooks, method, request: bytes, response: bytes = b"", code="OK"):
-    call = FinishedCall(method, 0.0, request=request)
+    call = RpcCall(method, 0.0, request=request)
     forwarded = hooks.rewrite(call)
     hooks.finished(call.complete(0.1, forwarded if forwarded != request else None,
                                  [response] if code == "OK" else [], code, ""))

@@ -7,14 +7,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim.container.rewriter import CONTAINER_ANNOTATION
+from shim.decision.pod import CONTAINER_ANNOTATION
 from shim.cri import pb
 from shim.decision import Policy
 from shim.effects import CgroupLayout
 from shim.decision.pod import INIT, REGULAR, REPLACED, SIDECAR, UNSURE, pod_request
 from shim.node.state import ContainerRecord, NodeState
 from shim.node.reconciler import compute_targets
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config
 
 RS = "/runtime.v1.RuntimeService/"
@@ -139,7 +139,7 @@ def test_never_above_the_true_request_whatever_is_known(spec, data):
 
 # -- observed calls ----------------------------------------------------------------------
 def _call(method, req, resp=None, forwarded=None, start=1000.0):
-    return FinishedCall(RS + method, start, 1.0, req.SerializeToString(),
+    return RpcCall(RS + method, start, 1.0, req.SerializeToString(),
                         forwarded.SerializeToString() if forwarded is not None else None,
                         [resp.SerializeToString()] if resp is not None else [], "OK", "")
 

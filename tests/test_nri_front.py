@@ -132,7 +132,7 @@ def test_the_nri_adjustment_leaves_the_container_with_what_proxy_mode_forwards(q
         assert not {"memory.min", "memory.low"} & set(adjust.linux.resources.unified)
     [record] = nri_records
     assert record["mode"] == "nri" and record["method"] == "CreateContainer"
-    d = call.decision
+    d = call.rewritten.decision
     assert (record["qos"], record["request"], record["request_source"], record["unified_after"]) == \
         (d.qos.value, d.request.bytes, d.request.source.value, dict(d.unified_after))
     assert json.loads(adjust.annotations["memqos.io/request"])["bytes"] == record["request"]

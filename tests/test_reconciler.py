@@ -13,7 +13,7 @@ from shim.decision import Policy
 from memqos_dev.testing.fake_runtime import FakeRuntime, FakeRuntimeServer
 from shim.node.facts import KubeletFacts
 from shim.node.reconciler import Reconciler, ReconcilerObserver
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.reconciler_support import (
     MI,
     FakeCgroupTree,
@@ -424,11 +424,11 @@ def test_observer_only_enqueues_and_never_raises():
 
     q = queue.SimpleQueue()
     obs = ReconcilerObserver(q)
-    garbage = FinishedCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None, [b"\x00"])
+    garbage = RpcCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None, [b"\x00"])
     obs.finished(garbage)  # not parsed here
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [], "UNAVAILABLE"))
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [], "UNAVAILABLE"))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
     items = [q.get_nowait() for _ in range(q.qsize())]
     assert items[0] is garbage and type(items[1]).__name__ == "_Resync" and items[1].reason == "upstream-reconnected"
     assert len(items) == 2
@@ -440,7 +440,7 @@ def test_unparseable_calls_do_not_stop_the_reconciler(tmp_path):
     r = Reconciler(cgroup_root=str(tree.root), kubelet=KubeletFacts(), policy=Policy.REQUEST, capacity=2060419072,
                    page_size=4096, emit=records.append, resync_interval=0.05).start()
     try:
-        r.observer.finished(FinishedCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None,
+        r.observer.finished(RpcCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None,
                                          [b"\x00"]))
         assert r.sync(5)
         assert any(x["event"] == "reconciler-error" for x in records)

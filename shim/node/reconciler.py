@@ -39,7 +39,7 @@ from shim.cri.events import OBSERVED_METHODS, call_event
 from shim.decision.events import EVENT_TYPES
 from shim.node.state import NodeState
 from shim.node.view import NodeView
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from shim.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class ReconcilerObserver:
         self._q = q
         self._down = False
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         code = call.code
         if code == "OK":
             if self._down:
@@ -267,7 +267,7 @@ class Reconciler(Worker):
             elif isinstance(it, EVENT_TYPES):  # a front end that makes its own events (NRI)
                 changed, uid = self._guard(self.state.apply, it) or (False, None)
                 dirty |= changed
-            elif isinstance(it, FinishedCall):
+            elif isinstance(it, RpcCall):
                 changed, uid = self._guard(self._apply, it) or (False, None)
                 dirty |= changed
                 if uid is not None and uid not in refresh:
@@ -317,7 +317,7 @@ class Reconciler(Worker):
         self._emit({"event": "reconciler-error", "what": key, "error": message[:500]})
 
     # -- state
-    def _apply(self, call: FinishedCall) -> tuple[bool, str | None]:
+    def _apply(self, call: RpcCall) -> tuple[bool, str | None]:
         """(state changed, uid of a pod whose containers' states should be asked for)."""
         event = call_event(call)
         return (False, None) if event is None else self.state.apply(event)
