@@ -23,7 +23,7 @@ TRACES = all_traces()
 
 def qos_hooks():
     records: list[dict] = []
-    return ContainerMemoryQoS(NODE, Policy.REQUEST, records.append), records
+    return ContainerMemoryQoS(NODE, Policy.HARD, records.append), records
 
 
 def create_request() -> bytes:

@@ -107,7 +107,7 @@ TABLE = [
     ("burstable", 300 * MI, 1024 * MI, {}, {"memory.min": str(300 * MI)}, Policy.HARD, None),
     ("burstable", 300 * MI, 1024 * MI, {}, {"memory.min": str(300 * MI), "memory.oom.group": "1"}, Policy.SOFT,
      None),
-    ("burstable", 256 * MI, 1024 * MI, {"memqos.io/requests": REQ}, {}, Policy.TIERED, None),
+    ("burstable", 256 * MI, 1024 * MI, {"memqos.io/requests": REQ}, {}, Policy.TIERED_RESERVATION, None),
     ("burstable", 300 * MI, 1024 * MI, {}, {"memory.min": str(200 * MI)}, Policy.HARD, Owns()),
     ("besteffort", 0, 0, {}, {}, Policy.HARD, None),
     ("guaranteed", 512 * MI, 512 * MI, {}, {"memory.min": str(512 * MI)}, Policy.NONE, None),

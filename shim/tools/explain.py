@@ -21,8 +21,8 @@ def _policy_arg(v: str) -> str:
     try:
         return decision.Policy(v).value
     except ValueError:
-        raise argparse.ArgumentTypeError(f"unknown policy {v!r}: Hard, Soft, TieredReservation, None "
-                                         "(or request, tiered, none)") from None
+        raise argparse.ArgumentTypeError(f"unknown policy {v!r}: Hard, Soft, TieredReservation or None "
+                                         "(any case)") from None
 
 
 def _explain_factor(v: str) -> float | None:
@@ -165,8 +165,7 @@ def register(sub) -> None:
     ex.add_argument("--qos", choices=["guaranteed", "burstable", "besteffort"],
                     help="QoS class (default: from request and limit)")
     ex.add_argument("--policy", default="Hard", type=_policy_arg, metavar="POLICY",
-                    help="Hard (default), Soft, TieredReservation or None; also the aliases "
-                         "request, tiered, none")
+                    help="Hard (default), Soft, TieredReservation or None (any case)")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
     ex.add_argument("--plot", metavar="FILE.png",

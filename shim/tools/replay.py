@@ -90,6 +90,8 @@ class ReplaySettings:
 
 
 _UNSET: Any = object()
+# the two header names of trace-format.md's shim.policy that are not the upstream ones
+RECORDED_POLICY_NAMES = {"request": "Hard", "tiered": "TieredReservation"}
 
 
 def replay_settings(
@@ -150,12 +152,12 @@ def replay_settings(
         origin["policy"] = "flag"
     elif shim.get("policy"):
         try:
-            policy = Policy(shim["policy"])
+            policy = Policy(RECORDED_POLICY_NAMES.get(shim["policy"], shim["policy"]))
         except ValueError:
             raise ReplayError(f"the trace header names an unknown policy {shim['policy']!r}") from None
         origin["policy"] = "trace header (recording shim)"
     else:
-        policy, origin["policy"] = Policy.REQUEST, "default"
+        policy, origin["policy"] = Policy.HARD, "default"
 
     node = node_facts(capacity, kubelet, page_size=page, allocatable=allocatable, factor=factor)
     from shim.node.kubelet import parse_version
@@ -352,11 +354,6 @@ def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIME
     relay (serve's default) or grpc; ``mode``: enforce or observe (decided and audited, the
     kubelet's bytes forwarded)."""
     return asyncio.run(replay_async(trace, settings, timeout=timeout, transport=transport, mode=mode))
-
-
-def replay_file(path: str, **overrides: Any) -> ReplayResult:
-    trace = read_trace(path)
-    return replay(trace, replay_settings(trace.header, **overrides))
 
 
 # -- output ------------------------------------------------------------------------
