@@ -94,6 +94,48 @@ def test_removed_containers_are_forgotten():
     assert hooks.containers == {}
 
 
+def test_with_the_reconciler_wired_the_removals_are_parsed_on_its_thread(tmp_path):
+    """As ``serve`` wires them: finished() on the transport's thread does not parse
+    RemoveContainer / RemovePodSandbox; the reconciler's thread makes the events and the rewriter
+    forgets from them."""
+    import threading
+
+    from shim.app.service import Service
+    from shim.node.facts import KubeletFacts
+    from shim.node.reconciler import Reconciler
+
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
+    reconciler = Reconciler(cgroup_root=str(tmp_path), kubelet=KubeletFacts(), policy=Policy.HARD,
+                            capacity=NODE.capacity, page_size=4096, emit=lambda r: None)
+    chain = Service(None, NODE, KubeletFacts(), None, hooks, reconciler=reconciler).hooks  # serve's wiring
+    told = []
+    forget = hooks.forget
+
+    def on_removed(event):
+        told.append((type(event).__name__, threading.current_thread().name))
+        forget(event)
+
+    reconciler.removal_listeners[:] = [on_removed]
+    for sandbox, cid in (("s1", "c1"), ("s1", "c2"), ("s2", "c3")):
+        req = create_container(sandbox, sandbox_config("p" + sandbox, "0a1b" + sandbox, "burstable"), "main" + cid,
+                               "burstable", request=32 * MI)
+        run(chain, CREATE_CONTAINER, req.SerializeToString(),
+            pb.CreateContainerResponse(container_id=cid).SerializeToString())
+    assert set(hooks.containers) == {"c1", "c2", "c3"}
+    run(chain, "/runtime.v1.RuntimeService/RemoveContainer",
+        pb.RemoveContainerRequest(container_id="c3").SerializeToString())
+    run(chain, "/runtime.v1.RuntimeService/RemovePodSandbox",
+        pb.RemovePodSandboxRequest(pod_sandbox_id="s1").SerializeToString())
+    assert set(hooks.containers) == {"c1", "c2", "c3"}  # finished() read nothing of them
+    reconciler.start()
+    try:
+        assert reconciler.sync(10)
+    finally:
+        reconciler.stop()
+    assert hooks.containers == {}
+    assert told == [("ContainerRemoved", "memqos-reconciler"), ("PodSandboxRemoved", "memqos-reconciler")]
+
+
 def test_failed_create_is_audited_with_code_and_not_remembered():
     records = []
     hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)

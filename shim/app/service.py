@@ -132,6 +132,9 @@ class Service:
         self.reconciler = reconciler
         if reconciler is not None:
             self.hooks.observers.append(reconciler.observer)
+            # the removals are parsed on the reconciler's thread, which tells the rewriter
+            container_qos.forget_from_calls = False
+            reconciler.removal_listeners.append(container_qos.forget)
         # shim.guard.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
         self.monitor = monitor
         # --kubelet-version auto: shim.node.kubelet_version.KubeletVersionWatcher, started after the socket

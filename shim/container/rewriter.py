@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
 from json.encoder import encode_basestring_ascii as _json_string
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from shim.cri import pb
 from shim.cri.events import ContainerRemoved, PodSandboxRemoved, call_event, created_container_id
@@ -33,9 +32,9 @@ log = logging.getLogger(__name__)
 ERROR_LOG_INTERVAL = 10.0  # seconds between two logged policy errors (each is audited)
 
 
-@dataclass(frozen=True)
-class KnownContainer:
-    """What UpdateContainerResources needs and does not carry: remembered at creation."""
+class KnownContainer(NamedTuple):
+    """What UpdateContainerResources needs and does not carry: remembered at creation
+    (immutable; a tuple: made on every CreateContainer, at a third of a frozen dataclass's cost)."""
 
     sandbox_id: str
     name: str
@@ -122,6 +121,9 @@ class ContainerMemoryQoS:
         self.disabled_reason = disabled_reason
         self._warned = False
         self.containers: dict[str, KnownContainer] = {}
+        # True: finished() reads RemoveContainer / RemovePodSandbox itself (on the transport's
+        # thread) to forget containers; False when the reconciler's thread tells ``forget``
+        self.forget_from_calls = True
         # a policy error is logged (with its traceback) at most once per ERROR_LOG_INTERVAL: hostile
         # requests must not flood the log; each one still gets its fail-open audit record
         self._error_logged_at = -ERROR_LOG_INTERVAL
@@ -204,15 +206,24 @@ class ContainerMemoryQoS:
                     if note.memo is not None:
                         self.containers[cid] = note.memo
             self._emit(record)
-        elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK":
+        elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK" \
+                and self.forget_from_calls:  # (no reconciler to tell it)
             try:
                 event = call_event(call)
             except Exception:
                 return
-            if isinstance(event, ContainerRemoved):
-                self.containers.pop(event.container_id, None)
-            elif isinstance(event, PodSandboxRemoved):
-                for cid in [c for c, k in self.containers.items() if k.sandbox_id == event.sandbox_id]:
+            if event is not None:
+                self.forget(event)
+
+    def forget(self, event: ContainerRemoved | PodSandboxRemoved) -> None:
+        """A container or a sandbox was removed: its containers leave the memory (any thread:
+        one dict operation each, the relay thread adds to it meanwhile)."""
+        if isinstance(event, ContainerRemoved):
+            self.containers.pop(event.container_id, None)
+        elif isinstance(event, PodSandboxRemoved):
+            sandbox = event.sandbox_id
+            for cid, known in list(self.containers.items()):
+                if known.sandbox_id == sandbox:
                     self.containers.pop(cid, None)
 
     # -- the two methods ---------------------------------------------------------
