@@ -3,7 +3,10 @@ protobuf past here).
 
 ``call_event(call)`` turns one finished, successful call of ``OBSERVED_METHODS`` into its event,
 or None when it tells nothing. It parses the call's messages -- never on the relay thread: the
-reconciler's observer only enqueues the call, the events are made on its own thread. A message
+reconciler's observer only enqueues the call, the events are made on its own thread (which
+tells the rewriter's memory of containers the removals). Only a rewriter with no reconciler
+(``--reconcile false``, ``replay``) calls it from its ``finished``, for RemoveContainer and
+RemovePodSandbox. A message
 the rewriter already parsed is reused (``RpcCall.rewritten``, a ``shim.cri.rewritten.Rewritten``:
 ``parsed`` is the request as enforce sends it, the rewriter changes it in place; with its
 ``decision``, ``unified_before`` is the kubelet's map). In observe the kubelet's bytes went upstream, and the event is still the one enforce
