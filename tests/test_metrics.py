@@ -124,7 +124,7 @@ def test_metrics_show_every_series_with_the_fake_cgroupfs_values(tmp_path):
             self.seen = call
 
     timed = HookChain(Inner())
-    timed.time_rewrites(m.observe_rewrite)
+    timed.time_rewrites(m.rewrite_timer)
     assert timed.rewrite(RpcCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, request=b"x")) == b"x!"
     # what the audit log says: rewrites by QoS and source, fail-opens, cgroup writes, refusals, guard
     for rec in (

@@ -144,7 +144,7 @@ class Service:
         self.metrics = metrics
         if metrics is not None:
             self.hooks.observers.append(metrics.observer)
-            self.hooks.time_rewrites(metrics.observe_rewrite)
+            self.hooks.time_rewrites(metrics.rewrite_timer)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":

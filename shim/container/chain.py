@@ -24,9 +24,11 @@ class HookChain:
         self.held_methods = rewriter.held_methods
         self.rewrite: Callable[[RpcCall], bytes] = rewriter.rewrite
 
-    def time_rewrites(self, observe: Callable[[str, float], None]) -> None:
-        """Time each ``rewrite`` (perf_counter seconds) into ``observe(method, seconds)``."""
+    def time_rewrites(self, timer_for: Callable[[str], Callable[[float], None]]) -> None:
+        """Time each ``rewrite`` (perf_counter seconds) into the timer of its method, asked of
+        ``timer_for(method)`` here, once per held method."""
         inner = self.rewriter.rewrite
+        timers = {method: timer_for(method) for method in self.held_methods}
         clock = time.perf_counter
 
         def rewrite(call: RpcCall) -> bytes:
@@ -34,7 +36,9 @@ class HookChain:
             try:
                 return inner(call)
             finally:
-                observe(call.method, clock() - t0)
+                timer = timers.get(call.method)
+                if timer is not None:
+                    timer(clock() - t0)
 
         self.rewrite = rewrite
 

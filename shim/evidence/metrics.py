@@ -3,7 +3,7 @@
 Three feeds, none of which reads a file or blocks on the CRI path:
 
 * the transport: a HookChain observer whose ``finished()`` only bumps a counter and a
-  histogram, and ``observe_rewrite``, the HookChain's timer of the rewrite hook;
+  histogram, and ``rewrite_timer``, the HookChain's timers of the rewrite hook;
 * the audit stream (``AuditLog.add_listener``, in the audit writer thread): rewrites by QoS
   class and request source, fail-opens, cgroup writes and refusals, guard actions -- the
   metrics count exactly what the audit log says;
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -398,9 +399,9 @@ class Metrics:
             self.ready = ready
         return self
 
-    def observe_rewrite(self, method: str, seconds: float) -> None:
-        """One rewrite's duration (the HookChain's timer)."""
-        self.rewrite_duration.labels(method_label(method)).observe(seconds)
+    def rewrite_timer(self, method: str) -> Callable[[float], None]:
+        """What takes the duration of one rewrite of ``method`` (the HookChain's timer)."""
+        return self.rewrite_duration.labels(method_label(method)).observe
 
     # -- the audit stream
     def on_audit(self, record: dict) -> None:
