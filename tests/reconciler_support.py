@@ -108,7 +108,7 @@ def write_meminfo(path: Path, capacity: int = CAPACITY) -> Path:
 
 
 def serve_args(tmp: Path, tree: FakeCgroupTree, runtime_sock: str, listen: str, *, driver="cgroupfs",
-               policy="request", resync=0.2, audit: Path | None = None, kubelet_extra: dict | None = None,
+               policy="Hard", resync=0.2, audit: Path | None = None, kubelet_extra: dict | None = None,
                extra: tuple = ()) -> list[str]:
     kc = write_kubelet_config(tmp / "kubelet.json", driver, **(kubelet_extra or {}))
     mi = write_meminfo(tmp / "meminfo")

@@ -29,7 +29,7 @@ from shim.decision.node import MIN, NODE, PlacedPod, Reserved, node_targets
 from shim.decision.pod import container_request, parse_annotation
 from shim.effects import CgroupFS, PathRefused, ValueRefused
 from shim.effects.systemd import CgroupWriter
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config, update_resources
 
 INT64 = 2**63 - 1
@@ -241,7 +241,7 @@ def test_node_targets_without_node_facts_stay_within_int64():
 
 # -- the rewriter end to end -------------------------------------------------------------------
 def _run(hooks, method, request: bytes, response: bytes = b""):
-    call = FinishedCall(method, 0.0, request=request)
+    call = RpcCall(method, 0.0, request=request)
     forwarded = hooks.rewrite(call)
     hooks.finished(call.complete(0.1, forwarded if forwarded != request else None, [response], "OK", ""))
     return forwarded

@@ -14,7 +14,7 @@ from shim.evidence.trace import read_trace
 from shim.node.state import NodeState
 from memqos_dev.testing.traces import all_traces
 from shim.tools.replay import replay_settings
-from shim.transport.hooks import FinishedCall, RpcCall
+from shim.transport.hooks import RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config
 
 NODE = NodeFacts(capacity=16 * 1024 * MI, allocatable=15 * 1024 * MI, factor=0.8, page_size=4096)
@@ -23,7 +23,7 @@ TRACES = all_traces()
 
 def qos_hooks():
     records: list[dict] = []
-    return ContainerMemoryQoS(NODE, Policy.REQUEST, records.append), records
+    return ContainerMemoryQoS(NODE, Policy.HARD, records.append), records
 
 
 def create_request() -> bytes:
@@ -39,8 +39,9 @@ def test_finished_gets_the_call_rewrite_saw_not_a_record_found_by_its_bytes():
     a, b, skipped = (RpcCall(CREATE_CONTAINER, 1.0, request=req) for _ in range(3))
     out_a, out_b = hooks.rewrite(a), hooks.rewrite(b)
     assert out_a == out_b != req
-    assert isinstance(a.decision, Decision) and a.decision is not b.decision
-    assert a.parsed is not b.parsed and a.memo is not b.memo
+    a_, b_ = a.rewritten, b.rewritten
+    assert isinstance(a_.decision, Decision) and a_.decision is not b_.decision
+    assert a_.parsed is not b_.parsed and a_.memo is not b_.memo
     # finished in another order than rewritten, and one call that was never rewritten
     hooks.finished(skipped.complete(1.0, None, [], "UNAVAILABLE", "down"))
     assert records == []
@@ -49,19 +50,18 @@ def test_finished_gets_the_call_rewrite_saw_not_a_record_found_by_its_bytes():
     hooks.finished(a.complete(3.0, out_a, [], "DEADLINE_EXCEEDED", "late"))
     assert [(r["code"], r.get("container_id"), r.get("details")) for r in records] == [
         ("OK", "cb", None), ("DEADLINE_EXCEEDED", None, "late")]
-    assert set(hooks.containers) == {"cb"} and hooks.containers["cb"] is b.memo
+    assert set(hooks.containers) == {"cb"} and hooks.containers["cb"] is b.rewritten.memo
 
 
 def test_the_rewriter_declares_the_methods_it_holds():
     assert ContainerMemoryQoS.held_methods == {CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES}
-    assert FinishedCall is RpcCall
 
 
 def test_fail_open_record_travels_on_the_call():
     hooks, records = qos_hooks()
     call = RpcCall(CREATE_CONTAINER, 1.0, request=b"\xff\xff not protobuf")
     assert hooks.rewrite(call) is call.request
-    assert call.parsed is None and call.decision is None
+    assert call.rewritten.parsed is None and call.rewritten.decision is None
     hooks.finished(call.complete(1.0, None, [], "OK", ""))
     assert [r["event"] for r in records] == ["fail-open"]
 
@@ -106,7 +106,7 @@ def test_events_reuse_what_the_rewriter_parsed_and_match_parsing_again(path):
         event = call_event(call)
         assert event == call_event(plain)
         if type(event) in seen:
-            seen[type(event)] += call.parsed is not None
+            seen[type(event)] += call.rewritten is not None and call.rewritten.parsed is not None
         if event is not None:
             reused.apply(event)
         parsed.apply_call(plain)

@@ -67,7 +67,7 @@ def test_config_precedence(tmp_path):
     from shim.app.config import add_arguments, resolve
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("factor: 0.7\npolicy: tiered\nnode_allocatable: 30Gi\n")
+    cfg.write_text("factor: 0.7\npolicy: TieredReservation\nnode_allocatable: 30Gi\n")
     p = argparse.ArgumentParser()
     add_arguments(p)
     c = resolve(p.parse_args(["--config", str(cfg), "--factor", "none"]))

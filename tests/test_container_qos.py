@@ -9,14 +9,14 @@ from shim.container.rewriter import ContainerMemoryQoS, container_note
 from shim.cri import pb
 from shim.decision import NodeFacts, Policy
 from shim.cri.methods import CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config, update_resources
 
 NODE = NodeFacts(capacity=2060419072, allocatable=1850703872, page_size=4096, factor=0.9)
 
 
 def run(hooks, method, request: bytes, response: bytes = b"", code="OK"):
-    call = FinishedCall(method, 0.0, request=request)
+    call = RpcCall(method, 0.0, request=request)
     forwarded = hooks.rewrite(call)
     hooks.finished(call.complete(0.1, forwarded if forwarded != request else None,
                                  [response] if code == "OK" else [], code, ""))
@@ -25,7 +25,7 @@ def run(hooks, method, request: bytes, response: bytes = b"", code="OK"):
 
 def test_garbage_is_forwarded_unchanged_with_a_fail_open_record():
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     garbage = b"\xff\xff\xff\xff not protobuf"
     assert run(hooks, CREATE_CONTAINER, garbage) is garbage
     assert records[0]["event"] == "fail-open"
@@ -34,7 +34,7 @@ def test_garbage_is_forwarded_unchanged_with_a_fail_open_record():
 
 def test_disabled_on_cgroup_v1_passes_through_without_records():
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append, enabled=False, disabled_reason="v1")
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append, enabled=False, disabled_reason="v1")
     req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable",
                            request=32 * MI, limit=128 * MI).SerializeToString()
     assert run(hooks, CREATE_CONTAINER, req) is req
@@ -43,7 +43,7 @@ def test_disabled_on_cgroup_v1_passes_through_without_records():
 
 def test_update_uses_pod_facts_remembered_at_creation():
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     sb = sandbox_config("p", "0a1b", "burstable", annotations={"memqos.io/requests": '{"main": "32Mi"}'})
     req = create_container("s1", sb, "main", "burstable", request=32 * MI, limit=128 * MI)
     run(hooks, CREATE_CONTAINER, req.SerializeToString(),
@@ -61,7 +61,7 @@ def test_update_uses_pod_facts_remembered_at_creation():
 
 def test_update_of_unknown_container_still_decides_from_the_update():
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     upd = update_resources("unknown", limit=64 * MI, oom_score_adj=-997)
     out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
     assert dict(out.linux.unified) == {"memory.min": str(64 * MI), "memory.low": "0", "memory.high": "max"}
@@ -72,7 +72,7 @@ def test_update_to_request_equal_limit_resets_memory_high():
     """containerd merges an update's unified into the container's: a memory.high that no
     longer applies must be sent as "max", not left out."""
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     sb = sandbox_config("p", "0a1b", "burstable", annotations={"memqos.io/requests": '{"main": "64Mi"}'})
     req = create_container("s1", sb, "main", "burstable", request=64 * MI, limit=128 * MI)
     created = pb.CreateContainerRequest.FromString(run(
@@ -85,7 +85,7 @@ def test_update_to_request_equal_limit_resets_memory_high():
 
 
 def test_removed_containers_are_forgotten():
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, lambda r: None)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
     req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable", request=32 * MI)
     run(hooks, CREATE_CONTAINER, req.SerializeToString(), pb.CreateContainerResponse(container_id="c1").SerializeToString())
     assert "c1" in hooks.containers
@@ -94,9 +94,51 @@ def test_removed_containers_are_forgotten():
     assert hooks.containers == {}
 
 
+def test_with_the_reconciler_wired_the_removals_are_parsed_on_its_thread(tmp_path):
+    """As ``serve`` wires them: finished() on the transport's thread does not parse
+    RemoveContainer / RemovePodSandbox; the reconciler's thread makes the events and the rewriter
+    forgets from them."""
+    import threading
+
+    from shim.app.service import Service
+    from shim.node.facts import KubeletFacts
+    from shim.node.reconciler import Reconciler
+
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
+    reconciler = Reconciler(cgroup_root=str(tmp_path), kubelet=KubeletFacts(), policy=Policy.HARD,
+                            capacity=NODE.capacity, page_size=4096, emit=lambda r: None)
+    chain = Service(None, NODE, KubeletFacts(), None, hooks, reconciler=reconciler).hooks  # serve's wiring
+    told = []
+    forget = hooks.forget
+
+    def on_removed(event):
+        told.append((type(event).__name__, threading.current_thread().name))
+        forget(event)
+
+    reconciler.removal_listeners[:] = [on_removed]
+    for sandbox, cid in (("s1", "c1"), ("s1", "c2"), ("s2", "c3")):
+        req = create_container(sandbox, sandbox_config("p" + sandbox, "0a1b" + sandbox, "burstable"), "main" + cid,
+                               "burstable", request=32 * MI)
+        run(chain, CREATE_CONTAINER, req.SerializeToString(),
+            pb.CreateContainerResponse(container_id=cid).SerializeToString())
+    assert set(hooks.containers) == {"c1", "c2", "c3"}
+    run(chain, "/runtime.v1.RuntimeService/RemoveContainer",
+        pb.RemoveContainerRequest(container_id="c3").SerializeToString())
+    run(chain, "/runtime.v1.RuntimeService/RemovePodSandbox",
+        pb.RemovePodSandboxRequest(pod_sandbox_id="s1").SerializeToString())
+    assert set(hooks.containers) == {"c1", "c2", "c3"}  # finished() read nothing of them
+    reconciler.start()
+    try:
+        assert reconciler.sync(10)
+    finally:
+        reconciler.stop()
+    assert hooks.containers == {}
+    assert told == [("ContainerRemoved", "memqos-reconciler"), ("PodSandboxRemoved", "memqos-reconciler")]
+
+
 def test_failed_create_is_audited_with_code_and_not_remembered():
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     req = create_container("s1", sandbox_config("p", "0a1b", "guaranteed"), "main", "guaranteed",
                            request=64 * MI, limit=64 * MI)
     run(hooks, CREATE_CONTAINER, req.SerializeToString(), code="NOT_FOUND")
@@ -106,7 +148,7 @@ def test_failed_create_is_audited_with_code_and_not_remembered():
 
 def test_unparsed_fields_survive_the_rewrite():
     """A newer kubelet's fields this proto does not know must reach the runtime."""
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, lambda r: None)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
     req = create_container("s1", sandbox_config("p", "0a1b", "burstable"), "main", "burstable",
                            request=32 * MI, limit=128 * MI).SerializeToString()
     unknown_field = b"\xa2\x06\x03abc"  # field 100, length-delimited, at the top level
@@ -118,7 +160,7 @@ def test_unparsed_fields_survive_the_rewrite():
 def test_created_container_carries_the_request_for_restart_recovery():
     import json
 
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, lambda r: None)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
     sb = sandbox_config("p", "0a1b", "burstable")
     req = create_container("s1", sb, "main", "burstable", request=32 * MI, limit=128 * MI,
                            unified={"memory.min": str(32 * MI)})
@@ -135,7 +177,7 @@ def test_created_container_carries_the_request_for_restart_recovery():
 
 def test_transport_fail_open_is_audited():
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     hooks.not_rewritten(CREATE_CONTAINER, "transport: a 20971520-byte message is above the hold cap")
     assert records == [{"event": "fail-open", "method": "CreateContainer",
                         "error": "transport: a 20971520-byte message is above the hold cap"}]
@@ -159,7 +201,7 @@ def test_policy_errors_do_not_flood_the_log(caplog):
     """Hostile requests each get a fail-open record, but the log says so at most once per
     interval (with a count of the lines it left out)."""
     records = []
-    hooks = ContainerMemoryQoS(NODE, Policy.REQUEST, records.append)
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     garbage = b"\xff\xff\xff\xff not protobuf"
     with caplog.at_level("ERROR", logger="shim.container.rewriter"):
         for _ in range(500):

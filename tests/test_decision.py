@@ -51,7 +51,7 @@ KEP_TABLE = [
 @pytest.mark.parametrize("request_mi,factor,high_mi", KEP_TABLE)
 def test_kep_table(request_mi, factor, high_mi):
     node = NodeFacts(capacity=0, allocatable=0, page_size=Mi, factor=factor)
-    d = decide(BURSTABLE, ContainerFacts(limit=1000 * Mi), node, Policy.REQUEST, given_request(request_mi * Mi))
+    d = decide(BURSTABLE, ContainerFacts(limit=1000 * Mi), node, Policy.HARD, given_request(request_mi * Mi))
     if high_mi is None:
         assert "memory.high" not in d.unified_after
         assert "request equals limit" in d.reasons["memory.high"]
@@ -65,7 +65,7 @@ def test_kep_table(request_mi, factor, high_mi):
 
 def test_issue_example_128_256():
     node = NodeFacts(capacity=32 * Gi, allocatable=32 * Gi, page_size=4096, factor=0.9)
-    d = decide(BURSTABLE, ContainerFacts(limit=256 * Mi), node, Policy.REQUEST, given_request(128 * Mi))
+    d = decide(BURSTABLE, ContainerFacts(limit=256 * Mi), node, Policy.HARD, given_request(128 * Mi))
     assert dict(d.unified_after) == {"memory.min": "134217728", "memory.high": "255012864"}
 
 
@@ -76,7 +76,7 @@ def test_float64_semantics_at_page_boundary():
 
 def test_besteffort_from_allocatable():
     node = NodeFacts(capacity=2060419072, allocatable=1850703872, page_size=4096, factor=0.8)
-    d = decide(BESTEFFORT, ContainerFacts(oom_score_adj=1000), node, Policy.REQUEST)
+    d = decide(BESTEFFORT, ContainerFacts(oom_score_adj=1000), node, Policy.HARD)
     # floor(0.8 * 1850703872 / 4096) * 4096
     assert d.unified_after == {"memory.high": str((int(0.8 * 1850703872) // 4096) * 4096)}
     assert d.qos is QoSClass.BESTEFFORT
@@ -84,21 +84,21 @@ def test_besteffort_from_allocatable():
 
 def test_guaranteed_never_gets_memory_high():
     node = NodeFacts(capacity=8 * Gi, allocatable=8 * Gi, page_size=4096, factor=0.9)
-    d = decide(GUARANTEED, ContainerFacts(limit=64 * Mi, oom_score_adj=-997), node, Policy.REQUEST)
+    d = decide(GUARANTEED, ContainerFacts(limit=64 * Mi, oom_score_adj=-997), node, Policy.HARD)
     assert dict(d.unified_after) == {"memory.min": str(64 * Mi)}
     assert d.request.source is RequestSource.GUARANTEED_LIMIT
 
 
 def test_factor_none_means_no_memory_high():
     node = NodeFacts(capacity=8 * Gi, allocatable=8 * Gi, page_size=4096, factor=None)
-    d = decide(BESTEFFORT, ContainerFacts(oom_score_adj=1000), node, Policy.REQUEST)
+    d = decide(BESTEFFORT, ContainerFacts(oom_score_adj=1000), node, Policy.HARD)
     assert dict(d.unified_after) == {}
 
 
 def test_owned_keys_replaced_other_keys_kept():
     node = NodeFacts(capacity=8 * Gi, allocatable=8 * Gi, page_size=4096, factor=0.9)
     before = {"memory.high": "max", "memory.min": "0", "memory.oom.group": "1", "memory.swap.max": "0"}
-    d = decide(BURSTABLE, ContainerFacts(limit=256 * Mi, unified=before), node, Policy.REQUEST, given_request(128 * Mi))
+    d = decide(BURSTABLE, ContainerFacts(limit=256 * Mi, unified=before), node, Policy.HARD, given_request(128 * Mi))
     assert d.unified_after == {
         "memory.oom.group": "1",
         "memory.swap.max": "0",
@@ -111,7 +111,7 @@ def test_owned_keys_replaced_other_keys_kept():
 def test_kubelet_zero_memory_low_removed():
     node = NodeFacts(capacity=8 * Gi, allocatable=8 * Gi, page_size=4096, factor=0.9)
     before = {"memory.min": "0", "memory.low": "0"}
-    d = decide(BURSTABLE, ContainerFacts(limit=256 * Mi, unified=before), node, Policy.REQUEST, given_request(128 * Mi))
+    d = decide(BURSTABLE, ContainerFacts(limit=256 * Mi, unified=before), node, Policy.HARD, given_request(128 * Mi))
     assert "memory.low" not in d.unified_after
     assert "removed" in d.reasons["memory.low"]
 
@@ -119,9 +119,9 @@ def test_kubelet_zero_memory_low_removed():
 @pytest.mark.parametrize(
     "policy,pod,expect_key",
     [
-        (Policy.REQUEST, BURSTABLE, "memory.min"),
-        (Policy.TIERED, BURSTABLE, "memory.low"),
-        (Policy.TIERED, GUARANTEED, "memory.min"),
+        (Policy.HARD, BURSTABLE, "memory.min"),
+        (Policy.TIERED_RESERVATION, BURSTABLE, "memory.low"),
+        (Policy.TIERED_RESERVATION, GUARANTEED, "memory.min"),
         (Policy.NONE, BURSTABLE, None),
         (Policy.NONE, GUARANTEED, None),
     ],
@@ -211,7 +211,7 @@ def test_hostile_annotation_is_ignored_with_a_note(value, why):
 def test_limit_only_burstable_gets_no_memory_high():
     # qos-limit-only in the recorded traces: request defaulted to the 96Mi limit, adj 952
     node = NodeFacts(capacity=CAP, allocatable=1850703872, page_size=4096, factor=0.9)
-    d = decide(BURSTABLE, ContainerFacts(name="main", limit=100663296, oom_score_adj=952), node, Policy.REQUEST)
+    d = decide(BURSTABLE, ContainerFacts(name="main", limit=100663296, oom_score_adj=952), node, Policy.HARD)
     assert "memory.high" not in d.unified_after
     assert "may equal the limit" in d.reasons["memory.high"]
     assert int(d.unified_after["memory.min"]) <= 100663296
@@ -254,7 +254,7 @@ def test_estimated_request_never_exceeds_the_true_one(capacity, req_fraction, ex
 )
 def test_memory_high_properties(req, limit, alloc, factor, page, pod):
     node = NodeFacts(capacity=alloc, allocatable=alloc, page_size=page, factor=factor)
-    d = decide(pod, ContainerFacts(limit=limit), node, Policy.REQUEST, given_request(req))
+    d = decide(pod, ContainerFacts(limit=limit), node, Policy.HARD, given_request(req))
     high = d.unified_after.get("memory.high")
     if high is None:
         return

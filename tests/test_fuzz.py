@@ -28,7 +28,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from shim.app.service import HookChain, build_container_qos
+from shim.app.service import build_container_qos
+from shim.container.chain import HookChain
 from shim.cri import pb
 from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
 from shim.decision import NodeFacts, Policy
@@ -450,7 +451,8 @@ def _check_rewrite(method: str, request: bytes, out: bytes, call: RpcCall, hook_
         try:
             msg_cls.FromString(request)
         except Exception:  # noqa: BLE001
-            assert hook_errors or (isinstance(call.audit, dict) and call.audit.get("event") == "fail-open")
+            assert hook_errors or (call.rewritten is not None and isinstance(call.rewritten.audit, dict)
+                                   and call.rewritten.audit.get("event") == "fail-open")
         return
     sent, got = msg_cls.FromString(request), msg_cls.FromString(out)
     if method == CREATE_CONTAINER:

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shim.container.chain import HookChain
 from shim.decision.guard import GuardAction, GuardConfig
 from shim.evidence.audit import AuditLog
 from shim.evidence.metrics import Metrics, method_label
 from shim.guard.monitor import ContainerRef, Monitor
 from shim.guard.sampling import parse_pressure
 from shim.node.facts import KubeletFacts
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 
 MI = 2**20
 UID = "11111111-2222-3333-4444-555555555555"
@@ -110,8 +111,8 @@ def test_metrics_show_every_series_with_the_fake_cgroupfs_values(tmp_path):
     # CRI calls through the observer; the rewrite timed
     obs = m.observer
     for code, ms in (("OK", 2.0), ("OK", 4.0), ("UNAVAILABLE", 1.0)):
-        obs.finished(FinishedCall("/runtime.v1.RuntimeService/CreateContainer", time.time(), ms, b"", None, [], code))
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", time.time(), 0.3, b"", None, [], "OK"))
+        obs.finished(RpcCall("/runtime.v1.RuntimeService/CreateContainer", time.time(), ms, b"", None, [], code))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", time.time(), 0.3, b"", None, [], "OK"))
 
     class Inner:
         held_methods = frozenset({"/runtime.v1.RuntimeService/CreateContainer"})
@@ -122,8 +123,9 @@ def test_metrics_show_every_series_with_the_fake_cgroupfs_values(tmp_path):
         def finished(self, call):
             self.seen = call
 
-    timed = m.timed(Inner())
-    assert timed.rewrite(FinishedCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, request=b"x")) == b"x!"
+    timed = HookChain(Inner())
+    timed.time_rewrites(m.rewrite_timer)
+    assert timed.rewrite(RpcCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, request=b"x")) == b"x!"
     # what the audit log says: rewrites by QoS and source, fail-opens, cgroup writes, refusals, guard
     for rec in (
         {"event": "rewrite", "method": "CreateContainer", "qos": "Burstable", "request_source": "annotation"},

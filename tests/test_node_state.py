@@ -7,14 +7,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim.container.rewriter import CONTAINER_ANNOTATION
+from shim.decision.pod import CONTAINER_ANNOTATION
 from shim.cri import pb
 from shim.decision import Policy
 from shim.effects import CgroupLayout
 from shim.decision.pod import INIT, REGULAR, REPLACED, SIDECAR, UNSURE, pod_request
 from shim.node.state import ContainerRecord, NodeState
 from shim.node.reconciler import compute_targets
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.kubelet_requests import MI, create_container, sandbox_config
 
 RS = "/runtime.v1.RuntimeService/"
@@ -139,7 +139,7 @@ def test_never_above_the_true_request_whatever_is_known(spec, data):
 
 # -- observed calls ----------------------------------------------------------------------
 def _call(method, req, resp=None, forwarded=None, start=1000.0):
-    return FinishedCall(RS + method, start, 1.0, req.SerializeToString(),
+    return RpcCall(RS + method, start, 1.0, req.SerializeToString(),
                         forwarded.SerializeToString() if forwarded is not None else None,
                         [resp.SerializeToString()] if resp is not None else [], "OK", "")
 
@@ -232,7 +232,7 @@ def _values(targets):
 def test_targets_request_policy():
     s = _state_with([("0a", "guaranteed", [64], True), ("0b", "burstable", [32, 8], True),
                      ("0c", "besteffort", [0], True), ("0d", "burstable", [100], False)])
-    t, refused = compute_targets(s, CgroupLayout("cgroupfs"), Policy.REQUEST, 4096)
+    t, refused = compute_targets(s, CgroupLayout("cgroupfs"), Policy.HARD, 4096)
     assert refused == []
     assert _values(t) == {("kubepods", "memory.min"): 104, ("kubepods/burstable", "memory.min"): 40,
                           ("kubepods/pod0a", "memory.min"): 64, ("kubepods/burstable/pod0b", "memory.min"): 40}
@@ -241,7 +241,7 @@ def test_targets_request_policy():
 
 def test_targets_tiered_and_none():
     s = _state_with([("0a", "guaranteed", [64], True), ("0b", "burstable", [32], True)], "systemd")
-    t, _ = compute_targets(s, CgroupLayout("systemd"), Policy.TIERED, 4096)
+    t, _ = compute_targets(s, CgroupLayout("systemd"), Policy.TIERED_RESERVATION, 4096)
     kp, bq = "kubepods.slice", "kubepods.slice/kubepods-burstable.slice"
     assert _values(t) == {(kp, "memory.min"): 64, (kp, "memory.low"): 96, (bq, "memory.low"): 32,
                           (f"{kp}/kubepods-pod0a.slice", "memory.min"): 64,
@@ -253,7 +253,7 @@ def test_targets_tiered_and_none():
 def test_targets_round_down_to_the_page():
     s = _state_with([("0b", "burstable", [0], True)])
     next(iter(s.pods["0b"].containers.values())).request = 32966706  # an oom_score_adj lower bound
-    t, _ = compute_targets(s, CgroupLayout("cgroupfs"), Policy.REQUEST, 4096)
+    t, _ = compute_targets(s, CgroupLayout("cgroupfs"), Policy.HARD, 4096)
     assert t[("kubepods/burstable/pod0b", "memory.min")].value == 32966706 // 4096 * 4096
 
 
@@ -263,6 +263,6 @@ def test_hostile_pods_are_refused_and_left_out_of_the_sums():
     s.pods["0a"].sandboxes["s-0a"].cgroup_parent = "/kubepods/burstable/pod0a/../../../etc"
     s.pods["0b"].sandboxes["s-0b"].cgroup_parent = "/etc/kubepods/burstable/pod0b"  # absolute jump
     s.pods["0c"].sandboxes["s-0c"].cgroup_parent = "/kubepods/burstable/pod0d"  # someone else's pod
-    t, refused = compute_targets(s, CgroupLayout("cgroupfs"), Policy.REQUEST, 4096)
+    t, refused = compute_targets(s, CgroupLayout("cgroupfs"), Policy.HARD, 4096)
     assert len(refused) == 3
     assert _values(t) == {("kubepods", "memory.min"): 40, ("kubepods/pod0d", "memory.min"): 40}

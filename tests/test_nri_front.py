@@ -107,7 +107,7 @@ TABLE = [
     ("burstable", 300 * MI, 1024 * MI, {}, {"memory.min": str(300 * MI)}, Policy.HARD, None),
     ("burstable", 300 * MI, 1024 * MI, {}, {"memory.min": str(300 * MI), "memory.oom.group": "1"}, Policy.SOFT,
      None),
-    ("burstable", 256 * MI, 1024 * MI, {"memqos.io/requests": REQ}, {}, Policy.TIERED, None),
+    ("burstable", 256 * MI, 1024 * MI, {"memqos.io/requests": REQ}, {}, Policy.TIERED_RESERVATION, None),
     ("burstable", 300 * MI, 1024 * MI, {}, {"memory.min": str(200 * MI)}, Policy.HARD, Owns()),
     ("besteffort", 0, 0, {}, {}, Policy.HARD, None),
     ("guaranteed", 512 * MI, 512 * MI, {}, {"memory.min": str(512 * MI)}, Policy.NONE, None),
@@ -132,7 +132,7 @@ def test_the_nri_adjustment_leaves_the_container_with_what_proxy_mode_forwards(q
         assert not {"memory.min", "memory.low"} & set(adjust.linux.resources.unified)
     [record] = nri_records
     assert record["mode"] == "nri" and record["method"] == "CreateContainer"
-    d = call.decision
+    d = call.rewritten.decision
     assert (record["qos"], record["request"], record["request_source"], record["unified_after"]) == \
         (d.qos.value, d.request.bytes, d.request.source.value, dict(d.unified_after))
     assert json.loads(adjust.annotations["memqos.io/request"])["bytes"] == record["request"]

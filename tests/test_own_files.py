@@ -16,7 +16,7 @@ from shim.effects.files import UnsafeFile, open_append
 from shim.evidence.audit import AuditLog
 from shim.evidence.recorder import Recorder
 from shim.guard.episodes import Episode, EpisodeFile
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 
 TARGET_TEXT = "precious\n"
 
@@ -59,7 +59,7 @@ def test_the_recorder_does_not_start_on_a_symlink(tmp_path, dangling):
 
 
 def _call():
-    return FinishedCall("/runtime.v1.RuntimeService/RunPodSandbox", 1763702400.5, 1.25, b"x" * 300, None, [b""],
+    return RpcCall("/runtime.v1.RuntimeService/RunPodSandbox", 1763702400.5, 1.25, b"x" * 300, None, [b""],
                         "OK", "")
 
 

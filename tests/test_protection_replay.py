@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from shim.app.service import build_container_qos, build_request_hooks
+from shim.app.service import build_container_qos
+from shim.container.chain import build_request_hooks
 from shim.cri import pb
 from shim.cri.methods import CRI_METHODS
 from shim.effects import CgroupLayout

@@ -13,7 +13,7 @@ from shim.decision import Policy
 from memqos_dev.testing.fake_runtime import FakeRuntime, FakeRuntimeServer
 from shim.node.facts import KubeletFacts
 from shim.node.reconciler import Reconciler, ReconcilerObserver
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from tests.reconciler_support import (
     MI,
     FakeCgroupTree,
@@ -33,7 +33,7 @@ S_UID = "0c0ffee0-0000-4000-8000-000000000001"
 
 
 class Stack:
-    def __init__(self, tmp, driver="cgroupfs", policy="request", resync=0.2, kubelet_extra=None, tree=None,
+    def __init__(self, tmp, driver="cgroupfs", policy="Hard", resync=0.2, kubelet_extra=None, tree=None,
                  runtime=None, extra=()):
         self.tmp = tmp
         self.tree = tree or FakeCgroupTree(tmp / "cgroup", driver)
@@ -317,7 +317,7 @@ def test_restart_in_process_rebuilds_the_same_values_without_writing(tmp_path):
 
 
 def test_policy_tiered(make_stack):
-    s = make_stack(policy="tiered")
+    s = make_stack(policy="TieredReservation")
     k, t = s.kubelet, s.tree
     g = k.run_pod("g", G_UID, "guaranteed")
     k.create(g, "main", "guaranteed", request=64 * MI, limit=64 * MI)
@@ -341,7 +341,7 @@ def test_policy_none_clears_values_bottom_up(make_stack, tmp_path):
     tree.make_pod("burstable", B_UID)
     tree.set(f"kubepods/burstable/pod{B_UID}", "memory.min", 32 * MI)
     tree.set(f"kubepods/burstable/pod{B_UID}", "memory.low", 32 * MI)
-    s = make_stack(policy="none", tree=tree, runtime=rt)
+    s = make_stack(policy="None", tree=tree, runtime=rt)
     s.sync()
     assert tree.nonzero() == {}
     assert [(w.path, w.file) for w in s.writes] == [
@@ -424,11 +424,11 @@ def test_observer_only_enqueues_and_never_raises():
 
     q = queue.SimpleQueue()
     obs = ReconcilerObserver(q)
-    garbage = FinishedCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None, [b"\x00"])
+    garbage = RpcCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None, [b"\x00"])
     obs.finished(garbage)  # not parsed here
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [], "UNAVAILABLE"))
-    obs.finished(FinishedCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [], "UNAVAILABLE"))
+    obs.finished(RpcCall("/runtime.v1.RuntimeService/Version", 0.0, 1.0, b"", None, [b""]))
     items = [q.get_nowait() for _ in range(q.qsize())]
     assert items[0] is garbage and type(items[1]).__name__ == "_Resync" and items[1].reason == "upstream-reconnected"
     assert len(items) == 2
@@ -437,10 +437,10 @@ def test_observer_only_enqueues_and_never_raises():
 def test_unparseable_calls_do_not_stop_the_reconciler(tmp_path):
     tree = FakeCgroupTree(tmp_path / "cgroup")
     records = []
-    r = Reconciler(cgroup_root=str(tree.root), kubelet=KubeletFacts(), policy=Policy.REQUEST, capacity=2060419072,
+    r = Reconciler(cgroup_root=str(tree.root), kubelet=KubeletFacts(), policy=Policy.HARD, capacity=2060419072,
                    page_size=4096, emit=records.append, resync_interval=0.05).start()
     try:
-        r.observer.finished(FinishedCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None,
+        r.observer.finished(RpcCall("/runtime.v1.RuntimeService/CreateContainer", 0.0, 1.0, b"\xff\xff", None,
                                          [b"\x00"]))
         assert r.sync(5)
         assert any(x["event"] == "reconciler-error" for x in records)

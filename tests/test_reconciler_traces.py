@@ -26,7 +26,8 @@ from shim.effects import CgroupLayout
 from shim.evidence.trace import read_trace
 from shim.node.reconciler import Reconciler, compute_targets
 from shim.tools.replay import drive, replay_settings
-from shim.app.service import build_container_qos, build_request_hooks
+from shim.app.service import build_container_qos
+from shim.container.chain import build_request_hooks
 from shim.tools.trace_runtime import TraceRuntime
 from shim.transport.proxy import CriProxy
 from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file

@@ -16,7 +16,7 @@ import pytest
 from shim.evidence.recorder import HIGH_VOLUME_METHODS, MethodFilter, Recorder, shim_header
 from shim.evidence.trace import TraceCall, TraceError, make_header, open_text, read_trace, trace_stem, write_trace
 from shim.cri.methods import CREATE_CONTAINER
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from memqos_dev.testing.traces import all_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def header(**kw):
 
 
 def finished(method=START, request=b"\x0a\x03abc", forwarded=None, responses=(b"",), code="OK", details=""):
-    return FinishedCall(method, 1763702400.5, 1.25, request, forwarded, list(responses), code, details)
+    return RpcCall(method, 1763702400.5, 1.25, request, forwarded, list(responses), code, details)
 
 
 def lines(path) -> list[dict]:
@@ -189,11 +189,11 @@ def test_kill_9_loses_nothing_already_finished(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         from shim.evidence.recorder import Recorder
         from shim.evidence.trace import make_header
-        from shim.transport.hooks import FinishedCall
+        from shim.transport.hooks import RpcCall
         rec = Recorder({str(path)!r}, make_header(source="t", mem_total_bytes=1, page_size=4096,
                        cgroup_driver="cgroupfs", kubelet_config={{}}), methods=".").start()
         for i in range(200):
-            rec.finished(FinishedCall("/runtime.v1.RuntimeService/StartContainer", 1.0, 0.1,
+            rec.finished(RpcCall("/runtime.v1.RuntimeService/StartContainer", 1.0, 0.1,
                                       bytes([i % 256]) * 100, None, [b""], "OK", ""))
         rec.flush()
         print("written", flush=True)

@@ -17,7 +17,7 @@ import hpack
 import pytest
 
 from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from shim.transport.wire.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
 from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
@@ -57,21 +57,21 @@ class Hooks:
     def __init__(self, rewrite=None) -> None:
         self.rewrite_fn = rewrite
         self.rewrites: list[tuple[str, bytes]] = []
-        self.finished_calls: list[FinishedCall] = []
+        self.finished_calls: list[RpcCall] = []
         self.not_rewritten_calls: list[tuple[str, str]] = []
 
     def not_rewritten(self, method: str, reason: str) -> None:
         self.not_rewritten_calls.append((method, reason))
 
-    def rewrite(self, call: FinishedCall) -> bytes:
+    def rewrite(self, call: RpcCall) -> bytes:
         method, request = call.method, call.request
         self.rewrites.append((method, request))
         return request if self.rewrite_fn is None else self.rewrite_fn(method, request)
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         self.finished_calls.append(call)
 
-    def calls(self, method: str) -> list[FinishedCall]:
+    def calls(self, method: str) -> list[RpcCall]:
         return [c for c in self.finished_calls if c.method == method]
 
 

@@ -117,7 +117,7 @@ def test_cli_flags_override_the_header(capsys, small_on):
 
 def test_cli_config_file_and_table(tmp_path, capsys, small_on):
     cfg = tmp_path / "config.yaml"
-    cfg.write_text("policy: tiered\nlisten: unix:///ignored.sock\n")  # a serve config file is accepted
+    cfg.write_text("policy: TieredReservation\nlisten: unix:///ignored.sock\n")  # a serve config file is accepted
     assert main(["replay", str(small_on), "--config", str(cfg)]) == 0
     out, err = capsys.readouterr()
     assert out.splitlines()[0].split()[:4] == ["SEQ", "METHOD", "EVENT", "POD"]
@@ -147,9 +147,9 @@ def _header(**shim):
 def test_settings_precedence():
     s = replay_settings(_header())
     assert (s.node.capacity, s.node.allocatable, s.node.factor, s.node.page_size, s.policy) == (
-        2060419072, 1850703872, 0.8, 4096, Policy.REQUEST)
+        2060419072, 1850703872, 0.8, 4096, Policy.HARD)
     s = replay_settings(_header(allocatable=10**9, factor=None, policy="tiered", enabled=False))
-    assert (s.node.allocatable, s.node.factor, s.policy, s.enabled) == (10**9, None, Policy.TIERED, False)
+    assert (s.node.allocatable, s.node.factor, s.policy, s.enabled) == (10**9, None, Policy.TIERED_RESERVATION, False)
     s = replay_settings(_header(allocatable=10**9, factor=None), factor=0.7, allocatable=5 * 10**8,
                         page_size=65536, policy=Policy.NONE)
     assert (s.node.allocatable, s.node.factor, s.node.page_size, s.policy) == (5 * 10**8, 0.7, 65536, Policy.NONE)

@@ -21,7 +21,7 @@ from shim.transport import proxy as proxy_module
 from shim.transport.endpoints import grpc_target, socket_path
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 
 REWRITTEN_METHODS = ContainerMemoryQoS.held_methods
 from shim.transport.proxy import CriProxy
@@ -82,11 +82,11 @@ class RecordingHooks:
 
     def __init__(self) -> None:
         self.rewrites: list[tuple[str, bytes]] = []
-        self.finished_calls: list[FinishedCall] = []
+        self.finished_calls: list[RpcCall] = []
         self.rewrite_fn = None
         self.finished_raises = False
 
-    def rewrite(self, call: FinishedCall) -> bytes:
+    def rewrite(self, call: RpcCall) -> bytes:
         method, request = call.method, call.request
         self.rewrites.append((method, request))
         return request if self.rewrite_fn is None else self.rewrite_fn(method, request)
@@ -94,12 +94,12 @@ class RecordingHooks:
     def not_rewritten(self, method: str, reason: str) -> None:
         return None
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         self.finished_calls.append(call)
         if self.finished_raises:
             raise RuntimeError("finished hook bug")
 
-    def calls(self, method: str) -> list[FinishedCall]:
+    def calls(self, method: str) -> list[RpcCall]:
         return [c for c in self.finished_calls if c.method == method]
 
 
@@ -631,11 +631,11 @@ def test_the_transport_holds_exactly_the_methods_the_hooks_declare(loop, tmp_pat
 
         def __init__(self) -> None:
             super().__init__()
-            self.seen: list[FinishedCall] = []
+            self.seen: list[RpcCall] = []
 
-        def rewrite(self, call: FinishedCall) -> bytes:
+        def rewrite(self, call: RpcCall) -> bytes:
             self.seen.append(call)
-            call.decision = "tagged"
+            call.rewritten = "tagged"
             return super().rewrite(call)
 
     s.hooks = ExecHooks()
@@ -655,11 +655,11 @@ def test_the_transport_holds_exactly_the_methods_the_hooks_declare(loop, tmp_pat
     expected = request_for(EXEC_SYNC) + length_delimited(99, b"rewritten")
     assert s.echo.calls(EXEC_SYNC)[0].request == expected
     [fc] = s.hooks.calls(EXEC_SYNC)
-    assert fc is s.hooks.seen[0] and fc.decision == "tagged" and fc.forwarded == expected
+    assert fc is s.hooks.seen[0] and fc.rewritten == "tagged" and fc.forwarded == expected
     for method in (CREATE_CONTAINER, UPDATE_CONTAINER_RESOURCES, VERSION):
         assert s.echo.calls(method)[0].request == request_for(method)
         [fc] = s.hooks.calls(method)
-        assert fc.forwarded is None and fc.decision is None
+        assert fc.forwarded is None and fc.rewritten is None
 
 
 def test_rewrite_hook_gets_exactly_the_rewritten_methods(loop, stack):

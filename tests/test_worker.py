@@ -205,7 +205,7 @@ def test_the_side_threads_keep_their_names(tmp_path):
     workers = [
         AuditLog(None),
         Recorder(str(tmp_path / "trace.jsonl"), {}),
-        Reconciler(cgroup_root=str(tmp_path), kubelet=KubeletFacts(), policy=Policy.REQUEST, capacity=MI,
+        Reconciler(cgroup_root=str(tmp_path), kubelet=KubeletFacts(), policy=Policy.HARD, capacity=MI,
                    page_size=4096, emit=lambda r: None),
         Monitor(cgroup_root=str(tmp_path), kubelet=KubeletFacts(), guard=GuardConfig(), interval=5.0,
                 emit=lambda r: None),

@@ -153,7 +153,7 @@ def handler_cost(rounds: int = 15, n: int = 1000) -> tuple[float, float]:
     def proxy():
         call = RpcCall(path, time.time(), request=request)
         rewriter.rewrite(call)
-        call.audit()
+        call.rewritten.audit()
 
     def per_call(fn) -> float:
         t = time.perf_counter()

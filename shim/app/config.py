@@ -26,7 +26,7 @@ from typing import Any, Callable
 import yaml
 
 from shim.app.settings import FIELDS, Config
-from shim.decision import POLICY_ALIASES, Policy
+from shim.decision import Policy
 from shim.decision.quantity import QuantityError, parse_bytes
 from shim.effects.rollout import MODES
 
@@ -181,13 +181,11 @@ def _systemd_writes(v: Any) -> str:
 
 
 def _policy(v: Any) -> Policy:
-    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)
-    or one of the aliases (request, tiered, none)."""
+    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)."""
     try:
         return Policy(str(v))
     except ValueError:
-        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (or the aliases "
-                          f"{list(POLICY_ALIASES)}), not {v!r}")
+        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (in any case), not {v!r}")
 
 
 def _kubelet_version(v: Any) -> str:
@@ -292,8 +290,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "Policy", Policy.HARD, _policy,
            "protection policy, named like the kubelet's memoryReservationPolicy: Hard (memory.min = request "
            "for every pod and container with one), Soft (memory.low = request for all), TieredReservation "
-           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); the aliases "
-           "request (= Hard), tiered (= TieredReservation) and none (= None) are accepted too"),
+           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); any case"),
     Option("audit-log", "str | None", "-", _optional_path,
            "audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is reopened on SIGHUP "
            "(logrotate's create mode)"),

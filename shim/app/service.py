@@ -9,40 +9,16 @@ metrics server."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from shim.app.config import Config
+from shim.container.chain import build_request_hooks
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CRI_METHODS
 from shim.effects.rollout import OBSERVE, Rollout
 from shim.evidence.audit import AuditLog
 from shim.node.facts import is_cgroup_v2, load_kubelet_config, node_facts, read_mem_total, system_page_size
-from shim.transport.hooks import CallHooks, RpcCall
 
 log = logging.getLogger(__name__)
-
-
-class HookChain:
-    """One rewriter and any number of observers behind the transport's CallHooks."""
-
-    def __init__(self, rewriter: CallHooks, observers: list[Any] | None = None):
-        self.rewriter = rewriter
-        self.observers = list(observers or [])
-        self.held_methods = rewriter.held_methods
-
-    def rewrite(self, call: RpcCall) -> bytes:
-        return self.rewriter.rewrite(call)
-
-    def not_rewritten(self, method: str, reason: str) -> None:
-        self.rewriter.not_rewritten(method, reason)
-
-    def finished(self, call: RpcCall) -> None:
-        self.rewriter.finished(call)
-        for observer in self.observers:
-            try:
-                observer.finished(call)
-            except Exception:
-                log.exception("observer %r failed on %s", observer, call.method)
 
 
 def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "",
@@ -133,11 +109,6 @@ def warn_missing_upstream(endpoint: str) -> bool:
     return False
 
 
-def build_request_hooks(container_qos: ContainerMemoryQoS, observers: list[Any] | None = None) -> HookChain:
-    """The transport's CallHooks: the rewriter, then the observers (recorder, ...)."""
-    return HookChain(container_qos, observers)
-
-
 def protobuf_backend() -> str:
     from google.protobuf.internal import api_implementation
 
@@ -161,6 +132,9 @@ class Service:
         self.reconciler = reconciler
         if reconciler is not None:
             self.hooks.observers.append(reconciler.observer)
+            # the removals are parsed on the reconciler's thread, which tells the rewriter
+            container_qos.forget_from_calls = False
+            reconciler.removal_listeners.append(container_qos.forget)
         # shim.guard.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
         self.monitor = monitor
         # --kubelet-version auto: shim.node.kubelet_version.KubeletVersionWatcher, started after the socket
@@ -170,7 +144,7 @@ class Service:
         self.metrics = metrics
         if metrics is not None:
             self.hooks.observers.append(metrics.observer)
-            self.hooks.rewriter = metrics.timed(self.hooks.rewriter)
+            self.hooks.time_rewrites(metrics.rewrite_timer)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":

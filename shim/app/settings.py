@@ -51,8 +51,7 @@ class Config:
     #: --policy: protection policy, named like the kubelet's memoryReservationPolicy: Hard
     #: (memory.min = request for every pod and container with one), Soft (memory.low = request for
     #: all), TieredReservation (Guaranteed: memory.min, Burstable: memory.low), None (no
-    #: memory.min/memory.low); the aliases request (= Hard), tiered (= TieredReservation) and none
-    #: (= None) are accepted too
+    #: memory.min/memory.low); any case
     policy: Policy = Policy.HARD
     #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
     #: reopened on SIGHUP (logrotate's create mode)

@@ -6,26 +6,25 @@ forwards the kubelet's original bytes and leaves a fail-open audit record.
 
 In observe (``shim.effects.rollout``) every call is parsed, decided and audited as in enforce
 (the record tagged ``"rollout": "observe"``), and the kubelet's own bytes go upstream. The
-call keeps the message as enforce would have sent it (``RpcCall.parsed``, with the decision),
+call keeps the message as enforce would have sent it (``Rewritten.parsed``, with the decision),
 so the node state is fed what enforce would have made of the call.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
 from json.encoder import encode_basestring_ascii as _json_string
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from shim.cri import pb
 from shim.cri.events import ContainerRemoved, PodSandboxRemoved, call_event, created_container_id
 from shim.cri.facts import container_facts, pod_facts
 from shim.cri.methods import CREATE_CONTAINER, REMOVE_CONTAINER, REMOVE_POD_SANDBOX, UPDATE_CONTAINER_RESOURCES
 from shim.decision import Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource, decide
-from shim.decision.pod import CONTAINER_ANNOTATION  # noqa: F401  (re-exported for callers)
-from shim.decision.request import resolve_request  # noqa: F401  (re-exported for callers)
+from shim.cri.rewritten import Rewritten
+from shim.decision.pod import CONTAINER_ANNOTATION
 from shim.effects.rollout import OBSERVE, Rollout
 from shim.transport.hooks import RpcCall
 
@@ -33,9 +32,10 @@ log = logging.getLogger(__name__)
 ERROR_LOG_INTERVAL = 10.0  # seconds between two logged policy errors (each is audited)
 
 
-@dataclass(frozen=True)
-class KnownContainer:
-    """What UpdateContainerResources needs and does not carry: remembered at creation."""
+class KnownContainer(NamedTuple):
+    """What UpdateContainerResources needs and does not carry: remembered at creation
+    (immutable; a tuple: made on every CreateContainer, and cheaper to make than a frozen
+    dataclass)."""
 
     sandbox_id: str
     name: str
@@ -87,10 +87,11 @@ def _apply(resources: Any, decision: Decision) -> None:
 class ContainerMemoryQoS:
     """CallHooks for the two rewritten methods (``held_methods``).
 
-    ``rewrite`` leaves on the call what ``finished`` needs: the audit record (``audit``, built
-    in finished, a callable until then: the relay runs finished after the kubelet has its
-    answer, so the call does not wait for the record), the container to remember once the
-    runtime named it (``memo``), the decision and the parsed request (as sent).
+    ``rewrite`` leaves on the call (``call.rewritten``, one ``Rewritten``) what ``finished``
+    needs: the audit record (``audit``, built in finished, a callable until then: the relay runs
+    finished after the kubelet has its answer, so the call does not wait for the record), the
+    container to remember once the runtime named it (``memo``), the decision and the parsed
+    request (as sent).
 
     `enabled=False` (cgroup v1, or policy off) forwards everything untouched; the
     reason is logged once."""
@@ -121,6 +122,9 @@ class ContainerMemoryQoS:
         self.disabled_reason = disabled_reason
         self._warned = False
         self.containers: dict[str, KnownContainer] = {}
+        # True: finished() reads RemoveContainer / RemovePodSandbox itself (on the transport's
+        # thread) to forget containers; False when the reconciler's thread tells ``forget``
+        self.forget_from_calls = True
         # a policy error is logged (with its traceback) at most once per ERROR_LOG_INTERVAL: hostile
         # requests must not flood the log; each one still gets its fail-open audit record
         self._error_logged_at = -ERROR_LOG_INTERVAL
@@ -148,7 +152,8 @@ class ContainerMemoryQoS:
             else:
                 return request
             if observe:  # decided and audited as enforce would; the kubelet's bytes go upstream
-                call.audit = observed(call.audit)
+                note = call.rewritten
+                note.audit = observed(note.audit)
                 return request
             return out
         except Exception as e:  # fail open: the kubelet's bytes go upstream unchanged
@@ -160,13 +165,14 @@ class ContainerMemoryQoS:
                               f" ({unsaid} more not logged since the last such line)" if unsaid else "")
             else:
                 self.errors_not_logged += 1
-            call.audit = {
+            record = {
                 "event": "fail-open",
                 "method": method.rsplit("/", 1)[-1],
                 "error": f"{e.__class__.__name__}: {e}"[:500],
             }
             if observe:
-                call.audit["rollout"] = OBSERVE
+                record["rollout"] = OBSERVE
+            call.rewritten = Rewritten(None, None, record)
             return request
 
     def rewrite_disabled(self) -> None:
@@ -185,9 +191,10 @@ class ContainerMemoryQoS:
     def finished(self, call: RpcCall) -> None:
         method = call.method
         if method == CREATE_CONTAINER or method == UPDATE_CONTAINER_RESOURCES:
-            record = call.audit
-            if record is None:
+            note = call.rewritten
+            if note is None:
                 return
+            record = note.audit
             if callable(record):
                 record = record()
             record["code"] = call.code
@@ -197,18 +204,27 @@ class ContainerMemoryQoS:
                 cid = created_container_id(call.responses[0])
                 if cid:
                     record["container_id"] = cid
-                    if call.memo is not None:
-                        self.containers[cid] = call.memo
+                    if note.memo is not None:
+                        self.containers[cid] = note.memo
             self._emit(record)
-        elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK":
+        elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK" \
+                and self.forget_from_calls:  # (no reconciler to tell it)
             try:
                 event = call_event(call)
             except Exception:
                 return
-            if isinstance(event, ContainerRemoved):
-                self.containers.pop(event.container_id, None)
-            elif isinstance(event, PodSandboxRemoved):
-                for cid in [c for c, k in self.containers.items() if k.sandbox_id == event.sandbox_id]:
+            if event is not None:
+                self.forget(event)
+
+    def forget(self, event: ContainerRemoved | PodSandboxRemoved) -> None:
+        """A container or a sandbox was removed: its containers leave the memory (any thread:
+        one dict operation each, the relay thread adds to it meanwhile)."""
+        if isinstance(event, ContainerRemoved):
+            self.containers.pop(event.container_id, None)
+        elif isinstance(event, PodSandboxRemoved):
+            sandbox = event.sandbox_id
+            for cid, known in list(self.containers.items()):
+                if known.sandbox_id == sandbox:
                     self.containers.pop(cid, None)
 
     # -- the two methods ---------------------------------------------------------
@@ -220,9 +236,8 @@ class ContainerMemoryQoS:
         name = config.metadata.name
         sandbox_id = msg.pod_sandbox_id
         if not config.HasField("linux") or not config.linux.HasField("resources"):
-            call.audit = {**_create_base(pod, name, sandbox_id), "event": "unchanged",
-                          "reason": "no linux resources in the request"}
-            call.parsed = msg
+            call.rewritten = Rewritten(msg, None, {**_create_base(pod, name, sandbox_id), "event": "unchanged",
+                                                   "reason": "no linux resources in the request"})
             return request
         resources = config.linux.resources
         owns = self.kubelet_keys
@@ -238,7 +253,7 @@ class ContainerMemoryQoS:
         if changed or config.annotations.get(CONTAINER_ANNOTATION) != note:
             config.annotations[CONTAINER_ANNOTATION] = note
             out = msg.SerializeToString()
-        call.audit, call.memo, call.decision, call.parsed = lazy, memo, decision, msg
+        call.rewritten = Rewritten(msg, decision, lazy, memo)
         return out
 
     def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, owns,
@@ -255,8 +270,8 @@ class ContainerMemoryQoS:
         else:
             base.update(pod="", pod_uid="", container="")
         if not msg.HasField("linux"):
-            call.audit = {**base, "event": "unchanged", "reason": "no linux resources in the request"}
-            call.parsed = msg
+            call.rewritten = Rewritten(msg, None, {**base, "event": "unchanged",
+                                                   "reason": "no linux resources in the request"})
             return request
         resources = msg.linux
         facts = container_facts(known.name if known else "", resources)
@@ -285,7 +300,7 @@ class ContainerMemoryQoS:
         if decision.changed:
             _apply(resources, decision)
             out = msg.SerializeToString()
-        call.audit, call.decision, call.parsed = record, decision, msg
+        call.rewritten = Rewritten(msg, decision, record)
         return out
 
     def describe(self, d: Decision, owns) -> dict:

@@ -3,10 +3,13 @@ protobuf past here).
 
 ``call_event(call)`` turns one finished, successful call of ``OBSERVED_METHODS`` into its event,
 or None when it tells nothing. It parses the call's messages -- never on the relay thread: the
-reconciler's observer only enqueues the call, the events are made on its own thread. A message
-the rewriter already parsed is reused (``RpcCall.parsed``: the request as enforce sends it, the
-rewriter changes it in place; with ``RpcCall.decision`` its ``unified_before`` is the kubelet's
-map). In observe the kubelet's bytes went upstream, and the event is still the one enforce
+reconciler's observer only enqueues the call, the events are made on its own thread (which
+tells the rewriter's memory of containers the removals). Only a rewriter with no reconciler
+(``--reconcile false``, ``replay``) calls it from its ``finished``, for RemoveContainer and
+RemovePodSandbox. A message
+the rewriter already parsed is reused (``RpcCall.rewritten``, a ``shim.cri.rewritten.Rewritten``:
+``parsed`` is the request as enforce sends it, the rewriter changes it in place; with its
+``decision``, ``unified_before`` is the kubelet's map). In observe the kubelet's bytes went upstream, and the event is still the one enforce
 makes: the node state decides as enforce would.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from shim.cri.methods import (
     UPDATE_CONTAINER_RESOURCES,
     UPDATE_POD_SANDBOX_RESOURCES,
 )
+from shim.cri.rewritten import Rewritten
 from shim.decision import ContainerFacts, Decision
 from shim.decision.events import (  # noqa: F401  (the event types, re-exported for callers)
     EVENT_TYPES,
@@ -63,12 +67,13 @@ def _times(call: RpcCall) -> tuple[int, int]:
 def _sent_and_kubelet(call: RpcCall, cls: Any) -> tuple[Any, Any, Mapping[str, str] | None]:
     """(the request as sent, as the kubelet sent it or None when only its unified map differs,
     that map then)."""
-    sent = call.parsed if type(call.parsed) is cls else None
+    note = call.rewritten
+    sent = note.parsed if type(note) is Rewritten and type(note.parsed) is cls else None
     if sent is None:
         original = cls.FromString(call.request)
         return (cls.FromString(call.forwarded) if call.forwarded else original), original, None
-    if isinstance(call.decision, Decision):  # (forwarded or not: enforce or observe)
-        return sent, None, call.decision.unified_before
+    if isinstance(note.decision, Decision):  # (forwarded or not: enforce or observe)
+        return sent, None, note.decision.unified_before
     if call.forwarded is None:
         return sent, sent, None
     return sent, cls.FromString(call.request), None

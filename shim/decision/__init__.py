@@ -2,8 +2,6 @@
 unified values the shim writes, with the reasons. No I/O."""
 from shim.decision.facts import (  # noqa: F401
     OWNED_KEYS,
-    POLICY_ALIASES,
-    POLICY_NAMES,
     REQUESTS_ANNOTATION,
     ContainerFacts,
     Decision,

@@ -16,43 +16,22 @@ class QoSClass(str, Enum):
 class Policy(str, Enum):
     """How requests are protected, named after the kubelet's ``memoryReservationPolicy``
     (KubeletConfiguration, KEP-2570: ``None`` and ``TieredReservation`` since v1.36; ``Hard``
-    and ``Soft`` proposed for v1.38). The aliases, accepted the same way:
-    ``request`` = ``Hard``, ``tiered`` = ``TieredReservation``, ``none`` = ``None``."""
+    and ``Soft`` proposed for v1.38), matched in any case."""
 
     HARD = "Hard"  # memory.min = request for every pod / container with one
     SOFT = "Soft"  # memory.low = request for every pod / container with one
     TIERED_RESERVATION = "TieredReservation"  # Guaranteed -> memory.min, Burstable -> memory.low
     NONE = "None"  # no protection keys (memory.high only)
-    # the aliases (enum aliases: Policy.REQUEST is Policy.HARD)
-    REQUEST = "Hard"
-    TIERED = "TieredReservation"
 
     @classmethod
     def _missing_(cls, value):
-        """Any spelling of an upstream name (case-insensitive) or an earlier shim name."""
+        """An upstream name in any case (``hard``, ``TIEREDRESERVATION``)."""
         if isinstance(value, str):
             key = value.strip().lower()
-            for name, member in POLICY_NAMES.items():
-                if name.lower() == key:
+            for member in cls:
+                if member.value.lower() == key:
                     return member
         return None
-
-    @property
-    def protects(self) -> bool:
-        return self is not Policy.NONE
-
-
-# Every accepted spelling -> policy: the upstream names first, then the shim's earlier ones.
-POLICY_NAMES = {
-    "Hard": Policy.HARD,
-    "Soft": Policy.SOFT,
-    "TieredReservation": Policy.TIERED_RESERVATION,
-    "None": Policy.NONE,
-    "request": Policy.HARD,
-    "tiered": Policy.TIERED_RESERVATION,
-    "none": Policy.NONE,
-}
-POLICY_ALIASES = {"request": "Hard", "tiered": "TieredReservation", "none": "None"}
 
 
 class RequestSource(str, Enum):

@@ -3,7 +3,7 @@
 Three feeds, none of which reads a file or blocks on the CRI path:
 
 * the transport: a HookChain observer whose ``finished()`` only bumps a counter and a
-  histogram, and a thin wrapper around the rewriter that times the rewrite hook;
+  histogram, and ``rewrite_timer``, the HookChain's timers of the rewrite hook;
 * the audit stream (``AuditLog.add_listener``, in the audit writer thread): rewrites by QoS
   class and request source, fail-opens, cgroup writes and refusals, guard actions -- the
   metrics count exactly what the audit log says;
@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from typing import Any
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shim.effects.rollout import MODES
 from shim.guard.sampling import EVENTS
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from shim.cri.methods import CRI_METHODS_BY_PATH
 
 log = logging.getLogger(__name__)
@@ -61,35 +60,10 @@ class CriObserver:
         self._calls = metrics.cri_calls
         self._duration = metrics.cri_duration
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         m = method_label(call.method)
         self._calls.labels(m, call.code).inc()
         self._duration.labels(m).observe(call.duration_ms / 1000.0)
-
-
-class TimedRewriter:
-    """Wraps the rewriter (CallHooks) to time rewrite(); everything else passes through."""
-
-    def __init__(self, inner, metrics: "Metrics"):
-        self.inner = inner
-        self.held_methods = inner.held_methods
-        self._hist = metrics.rewrite_duration
-
-    def rewrite(self, call: FinishedCall) -> bytes:
-        t0 = time.perf_counter()
-        try:
-            return self.inner.rewrite(call)
-        finally:
-            self._hist.labels(method_label(call.method)).observe(time.perf_counter() - t0)
-
-    def finished(self, call: FinishedCall) -> None:
-        self.inner.finished(call)
-
-    def not_rewritten(self, method: str, reason: str) -> None:
-        self.inner.not_rewritten(method, reason)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 class _LiveCollector:
@@ -425,8 +399,9 @@ class Metrics:
             self.ready = ready
         return self
 
-    def timed(self, rewriter) -> TimedRewriter:
-        return TimedRewriter(rewriter, self)
+    def rewrite_timer(self, method: str) -> Callable[[float], None]:
+        """What takes the duration of one rewrite of ``method`` (the HookChain's timer)."""
+        return self.rewrite_duration.labels(method_label(method)).observe
 
     # -- the audit stream
     def on_audit(self, record: dict) -> None:

@@ -243,10 +243,6 @@ class Recorder(Worker):
         except OSError as e:  # UnsafeFile among them: the next call tries again (a write error)
             log.warning("recorder: cannot reopen %s: %s", self.path, e)
 
-    def rotated_files(self) -> list[str]:
-        """The files of this recording, newest first: path, path.1, ..."""
-        return [self.path] + [f for f in self._out.files() if f != self.path]
-
 
 def read_kubelet_config_doc(path: str | None) -> dict[str, Any]:
     """The KubeletConfiguration as read (for the trace header); {} when none or unreadable."""

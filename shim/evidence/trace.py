@@ -50,7 +50,7 @@ class TraceCall:
 
     @classmethod
     def from_finished(cls, call: Any, seq: int) -> "TraceCall":
-        """From a shim.transport.hooks.FinishedCall."""
+        """From a shim.transport.hooks.RpcCall."""
         return cls(
             seq=seq,
             start=call.start,

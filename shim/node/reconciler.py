@@ -36,15 +36,16 @@ from shim.effects import CgroupLayout, PathRefused, detect_driver, parse_value
 from shim.effects.systemd import CgroupWriter
 from shim.node.facts import KubeletFacts, is_cgroup_v2
 from shim.cri.events import OBSERVED_METHODS, call_event
-from shim.decision.events import EVENT_TYPES
+from shim.decision.events import EVENT_TYPES, ContainerRemoved, PodSandboxRemoved
 from shim.node.state import NodeState
 from shim.node.view import NodeView
-from shim.transport.hooks import FinishedCall
+from shim.transport.hooks import RpcCall
 from shim.worker import Worker
 
 log = logging.getLogger(__name__)
 
 RETRY_INTERVAL = 2.0  # while the first rebuild from the runtime has not succeeded
+REMOVALS = (ContainerRemoved, PodSandboxRemoved)  # the events removal_listeners are told
 _REFUSED = object()  # a path the cgroup writer refused (already reported)
 
 
@@ -127,7 +128,7 @@ class ReconcilerObserver:
         self._q = q
         self._down = False
 
-    def finished(self, call: FinishedCall) -> None:
+    def finished(self, call: RpcCall) -> None:
         code = call.code
         if code == "OK":
             if self._down:
@@ -190,6 +191,9 @@ class Reconciler(Worker):
         # remembers it as written, as enforce would)
         self.fs = CgroupWriter(cgroup_root, (), emit=emit, mode=systemd_writes, ceiling=capacity, rollout=rollout)
         self.observer = ReconcilerObserver(self._queue)
+        # told each removal event made from an observed call, on this thread (the rewriter forgets
+        # its containers from them: ``ContainerMemoryQoS.forget``)
+        self.removal_listeners: list[Callable[[ContainerRemoved | PodSandboxRemoved], None]] = []
         self.layout: CgroupLayout | None = None
         self.reserved: list[Reserved] = []
         self.recovered = False
@@ -267,7 +271,7 @@ class Reconciler(Worker):
             elif isinstance(it, EVENT_TYPES):  # a front end that makes its own events (NRI)
                 changed, uid = self._guard(self.state.apply, it) or (False, None)
                 dirty |= changed
-            elif isinstance(it, FinishedCall):
+            elif isinstance(it, RpcCall):
                 changed, uid = self._guard(self._apply, it) or (False, None)
                 dirty |= changed
                 if uid is not None and uid not in refresh:
@@ -317,10 +321,15 @@ class Reconciler(Worker):
         self._emit({"event": "reconciler-error", "what": key, "error": message[:500]})
 
     # -- state
-    def _apply(self, call: FinishedCall) -> tuple[bool, str | None]:
+    def _apply(self, call: RpcCall) -> tuple[bool, str | None]:
         """(state changed, uid of a pod whose containers' states should be asked for)."""
         event = call_event(call)
-        return (False, None) if event is None else self.state.apply(event)
+        if event is None:
+            return False, None
+        if type(event) in REMOVALS:
+            for listener in self.removal_listeners:
+                self._guard(listener, event)
+        return self.state.apply(event)
 
     def _rebuild(self, it: Rebuild) -> bool:
         self.state.rebuild(it.make(self.state, self.state.snap_gen + 1))

@@ -2,7 +2,7 @@
 
 The request path is the one `serve` runs: a real transport (the HTTP/2 relay by default, like
 `serve`; ``--transport grpc`` for the grpcio proxy, the [grpc] extra) on a real unix socket
-with the hooks built by ``shim.app.service.build_container_qos`` / ``build_request_hooks``.
+with the hooks built by ``shim.app.service.build_container_qos`` and ``shim.container.chain.build_request_hooks``.
 Upstream is a ``TraceRuntime`` answering every call with the recorded answer (so container ids
 and sandbox facts are the recorded ones). A client (``shim.transport.unary_client``) sends
 every recorded request, one at a time, in recorded start order, with the call's seq as
@@ -90,6 +90,8 @@ class ReplaySettings:
 
 
 _UNSET: Any = object()
+# the two header names of trace-format.md's shim.policy that are not the upstream ones
+RECORDED_POLICY_NAMES = {"request": "Hard", "tiered": "TieredReservation"}
 
 
 def replay_settings(
@@ -150,12 +152,12 @@ def replay_settings(
         origin["policy"] = "flag"
     elif shim.get("policy"):
         try:
-            policy = Policy(shim["policy"])
+            policy = Policy(RECORDED_POLICY_NAMES.get(shim["policy"], shim["policy"]))
         except ValueError:
             raise ReplayError(f"the trace header names an unknown policy {shim['policy']!r}") from None
         origin["policy"] = "trace header (recording shim)"
     else:
-        policy, origin["policy"] = Policy.REQUEST, "default"
+        policy, origin["policy"] = Policy.HARD, "default"
 
     node = node_facts(capacity, kubelet, page_size=page, allocatable=allocatable, factor=factor)
     from shim.node.kubelet import parse_version
@@ -275,7 +277,8 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
                        transport: str = "relay", mode: str = "enforce") -> ReplayResult:
-    from shim.app.service import build_container_qos, build_request_hooks
+    from shim.app.service import build_container_qos
+    from shim.container.chain import build_request_hooks
     from shim.cri.methods import CRI_METHODS
     from shim.effects.rollout import Rollout
     from shim.tools.trace_runtime import TraceRuntime
@@ -351,11 +354,6 @@ def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIME
     relay (serve's default) or grpc; ``mode``: enforce or observe (decided and audited, the
     kubelet's bytes forwarded)."""
     return asyncio.run(replay_async(trace, settings, timeout=timeout, transport=transport, mode=mode))
-
-
-def replay_file(path: str, **overrides: Any) -> ReplayResult:
-    trace = read_trace(path)
-    return replay(trace, replay_settings(trace.header, **overrides))
 
 
 # -- output ------------------------------------------------------------------------

@@ -7,7 +7,7 @@ the hooks as one ``RpcCall`` object:
 * ``rewrite(call)`` -- only for the methods in ``held_methods``, before forwarding; ``call``
   carries the method, the request metadata the transport has, the request bytes and the start
   time. It returns the bytes to send upstream (the same object when nothing changes) and may
-  leave what it parsed and decided on the call (``parsed``, ``decision``, ``audit``, ``memo``)
+  leave what it parsed and decided on the call (``rewritten``, one record of the hook's type)
   for ``finished``: the same object comes back there. It runs on the event loop, so it must be
   quick and must not block; the transport forwards the original bytes if it raises.
 * ``finished(call)`` -- once per call, after the upstream answered, and before the
@@ -46,10 +46,11 @@ class MethodShape(Protocol):
 
 @dataclass(slots=True)
 class RpcCall:
-    """One RPC through the proxy: created by the transport when it starts (held calls) or
-    ends, given to ``rewrite`` and, completed, to ``finished``; shaped like a line of the trace
-    format. The hook fields at the end belong to the rewrite hook: the transport never reads
-    them."""
+    """One RPC through the proxy, the one call object of the shim: created by the transport
+    when the call starts (the relay's per-stream ``Call`` is this record with the relay's own
+    fields added) or ends, given to ``rewrite`` and, completed, to ``finished``; shaped like a
+    line of the trace format. ``rewritten`` belongs to the rewrite hook (one typed record,
+    ``shim.cri.rewritten.Rewritten``): the transport never reads it."""
 
     method: str
     start: float  # time.time() when the call arrived
@@ -62,11 +63,7 @@ class RpcCall:
     # True when a server stream sent more than the transport keeps (responses holds the first ones)
     truncated: bool = False
     metadata: tuple = ()  # the request's metadata as the transport has it (may be empty)
-    # -- left by the rewrite hook for finished
-    parsed: Any = None  # the request message it parsed; as the rewrite made it (changed in place)
-    decision: Any = None  # what it decided
-    audit: Any = None  # its audit record (or a callable that builds it), emitted in finished
-    memo: Any = None  # what it remembers once the call succeeded
+    rewritten: Any = None  # what the rewrite hook left for finished and the observers
 
     def complete(self, duration_ms: float, forwarded: bytes | None, responses: list[bytes], code: str,
                  details: str, truncated: bool = False) -> "RpcCall":
@@ -74,9 +71,6 @@ class RpcCall:
         self.duration_ms, self.forwarded, self.responses = duration_ms, forwarded, responses
         self.code, self.details, self.truncated = code, details, truncated
         return self
-
-
-FinishedCall = RpcCall  # the name the finished hook's consumers know it by
 
 
 class CallHooks(Protocol):
@@ -87,21 +81,6 @@ class CallHooks(Protocol):
     def finished(self, call: RpcCall) -> None: ...
 
     def not_rewritten(self, method: str, reason: str) -> None: ...
-
-
-class PassthroughHooks:
-    """Hooks that change nothing and observe nothing."""
-
-    held_methods: frozenset[str] = frozenset()
-
-    def rewrite(self, call: RpcCall) -> bytes:
-        return call.request
-
-    def finished(self, call: RpcCall) -> None:
-        return None
-
-    def not_rewritten(self, method: str, reason: str) -> None:
-        return None
 
 
 def unary_shapes(methods: Iterable[MethodShape]) -> dict[str, tuple[bool, bool]]:

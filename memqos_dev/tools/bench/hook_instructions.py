@@ -33,7 +33,11 @@ import sys
 from shim.cri import pb
 from shim.decision import Policy
 try:
-    from shim.app.service import build_container_qos, build_request_hooks
+    try:
+        from shim.app.service import build_container_qos
+        from shim.container.chain import build_request_hooks
+    except ImportError:  # a tree with the hook chain in the wiring room
+        from shim.app.service import build_container_qos, build_request_hooks
     from shim.node.facts import load_kubelet_config, node_facts
     from shim.transport.hooks import RpcCall
     try:

@@ -147,11 +147,12 @@ def hook_cost(template, n: int) -> float:
     process, built as `serve` builds it: the share of a rewrite no transport can save."""
     from shim.decision import Policy
     from shim.node.facts import load_kubelet_config, node_facts
-    from shim.app.service import build_container_qos, build_request_hooks
+    from shim.app.service import build_container_qos
+    from shim.container.chain import build_request_hooks
     from shim.transport.hooks import RpcCall
 
     node = node_facts(16 * 1024 * MiB, load_kubelet_config(None), page_size=4096, allocatable=None, factor="auto")
-    hooks = build_request_hooks(build_container_qos(node, Policy.REQUEST, lambda record: None))
+    hooks = build_request_hooks(build_container_qos(node, Policy.HARD, lambda record: None))
     requests = []
     for i in range(n):
         template.config.metadata.attempt = 10_000_000 + i

@@ -11,7 +11,7 @@ relay does on top of forwarding:
   ``grpc-timeout``, and each answer's ``grpc-status`` / ``grpc-message``. A block that does not
   decode means the HPACK state is lost: the connection is closed (the kubelet reconnects).
 * It reassembles the gRPC messages of both directions from DATA frames (a copy to the side,
-  never delaying the forward) so that ``CallHooks.finished`` gets the same ``FinishedCall`` as
+  never delaying the forward) so that ``CallHooks.finished`` gets the same ``RpcCall`` as
   from the grpcio transport: request, responses (server streams capped like there), code,
   details, ``forwarded``. ``finished`` runs right after the frame that ends the call was
   written to the kubelet, in the same event-loop callback: off the call's latency, yet before

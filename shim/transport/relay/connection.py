@@ -105,7 +105,7 @@ class Connection(ClientToServer, ServerToClient, Holding, Refusing, Guarded):
         self.held_bytes = 0
         self.refused_details = ""
         self.answered = 0
-        # while a server chunk is processed (deferring): the FinishedCalls of the calls it ends,
+        # while a server chunk is processed (deferring): the finished calls of the calls it ends,
         # reported once the chunk's answers are written to the client (from_server)
         self.deferring = False
         self.defer: list = []

@@ -83,9 +83,8 @@ class Holding:
                 body = decompress(call.req_encoding, body)
             if body is not None:
                 request = body
-                rpc = call.rpc
-                rpc.request = body
-                new = relay.rewritten(rpc)
+                call.request = body
+                new = relay.rewritten(call)
                 if new is not body and new != body:
                     call.forwarded = new
                     out = message(new)
@@ -98,7 +97,7 @@ class Holding:
         if request is None:
             call.req.feed(out)
         else:
-            call.request = request
+            call.request_known = True
         self.windows.own_stream(call.sid)
         self._send_owned(call.sid, out, True, pending)
 

@@ -137,6 +137,12 @@ class Messages:
         self.flag = 0
         self.compressed = False
 
+    def drop_partial(self) -> None:
+        """Let go of the pieces of a message that will never complete (the stream ended)."""
+        if self.cur is not None:
+            self.cur = None
+            self.left = -1
+
     def _keep(self, size: int) -> bool:
         if self.truncated:
             return False
