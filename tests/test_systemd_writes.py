@@ -368,3 +368,17 @@ def test_the_setting_is_validated(tmp_path):
     assert main(["reset", "--systemd-writes", "systemd", "--cgroup-root", str(tmp_path)]) == 2
     recs = read_audit(tmp_path / "none.jsonl")
     assert recs == []
+
+
+def test_the_documented_bounds_are_the_defaults():
+    """docs/systemd-writes.md states the connection's deadlines and retries: they are the code's."""
+    from pathlib import Path
+
+    from shim.effects.systemd_bus import SystemdBus
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "systemd-writes.md").read_text()
+    bus = SystemdBus()
+    assert (bus.timeout, bus.attempts, bus.backoff, bus.first_hold, bus.max_hold) == (10.0, 3, 0.2, 1.0, 30.0)
+    for phrase in ("the bus's Hello and each call have 10 s each", "3 attempts, 0.2 s then 0.4 s apart",
+                   "not asked\n  again for 1 s (doubling while it keeps failing, at most 30 s)"):
+        assert phrase in doc, phrase
