@@ -14,6 +14,7 @@ import pytest
 
 from shim.effects import PathRefused
 from shim.effects.systemd import CgroupWriter, SystemdError, slice_path, unit_for_path
+from shim.evidence.metrics import Metrics
 from shim.node.facts import KubeletFacts
 from shim.tools.reset import reset_cgroups
 from tests.reconciler_support import FakeCgroupTree, read_audit, wait_for
@@ -214,6 +215,10 @@ def test_the_connection_is_kept_and_made_again_when_the_bus_comes_back(tmp_path,
         w.write(tree.burstable, "memory.min", 4 * MI, "sum")
     down = [r for r in records if r["event"] == "systemd-bus"]
     assert [(r["state"], r["bus"]) for r in down] == [("down", sd.address)] and "Connection" in down[0]["error"]
+    metrics = Metrics()
+    for r in records:
+        metrics.on_audit(r)
+    assert metrics.registry.get_sample_value("memqos_systemd_bus_unreachable_total") == 1
     assert tree.get(tree.kubepods) == 3 * MI and w.bus.failures == 2
     sd.bus_back()
     assert wait_for(lambda: _wrote(w, tree.kubepods, 4 * MI), timeout=30)

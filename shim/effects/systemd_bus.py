@@ -19,7 +19,6 @@ again at its next pass; ``reset`` reports it.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Callable, Sequence
@@ -30,8 +29,6 @@ from jeepney.bus_messages import message_bus
 from jeepney.io import blocking
 from jeepney.io.common import MessageFilters
 from jeepney.wrappers import DBusErrorResponse
-
-log = logging.getLogger(__name__)
 
 SYSTEMD = DBusAddress("/org/freedesktop/systemd1", bus_name="org.freedesktop.systemd1",
                       interface="org.freedesktop.systemd1.Manager")
