@@ -12,9 +12,10 @@ import sys
 import tempfile
 import time
 
-import pytest
 from jeepney import DBusAddress, MessageType, new_method_call
 from jeepney.io.blocking import open_dbus_connection
+
+from tests.tools import require_tool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MANAGER = DBusAddress("/org/freedesktop/systemd1", bus_name="org.freedesktop.systemd1",
@@ -34,21 +35,11 @@ CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configurat
 """
 
 
-def dbus_daemon() -> str:
-    exe = shutil.which("dbus-daemon")
-    if exe is None:
-        msg = "dbus-daemon is not installed (scripts/install-test-deps installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return exe
-
-
 class PrivateBus:
     """dbus-daemon on a socket of its own; ``stop()`` and ``start()`` again on the same address."""
 
     def __init__(self):
-        self.exe = dbus_daemon()
+        self.exe = require_tool("dbus-daemon")
         self.dir = tempfile.mkdtemp(prefix="memqos-bus-")  # short: a socket path has 108 bytes
         self.socket = os.path.join(self.dir, "bus")
         self.address = f"unix:path={self.socket}"
