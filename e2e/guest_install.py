@@ -19,6 +19,7 @@ The numbers (install time, kill times, NRestarts, the unit's state) go to report
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -163,7 +164,9 @@ def _crash_loop(g, pod: dict, data: dict) -> None:
         try:
             with open(procs) as f:
                 pids = [int(x) for x in f.read().split() if int(x) not in killed]
-        except FileNotFoundError:  # between two starts
+        except OSError as e:  # between two starts: the cgroup is gone (ENOENT) or being removed (ENODEV)
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
             pids = []
         if not pids:
             time.sleep(0.01)

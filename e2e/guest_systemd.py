@@ -58,6 +58,7 @@ MI = 1 << 20
 SCENARIO = "systemd"
 FACTOR = 0.9
 LEVEL_FILES = ("memory.min", "memory.low")
+NO_PATH = "/nonexistent-memqos-path"  # the shims' PATH
 
 
 def log(msg: str) -> None:
@@ -183,6 +184,7 @@ class Guest:
             os.unlink(G.SHIM_SOCK)
         self.run(["systemd-run", f"--unit={unit}", "--collect", f"--working-directory={CHECKOUT}",
                   f"--setenv=PYTHONPATH={CHECKOUT}", "--setenv=PYTHONDONTWRITEBYTECODE=1",
+                  f"--setenv=PATH={NO_PATH}",  # nothing to run (no systemctl, as in the image): D-Bus only
                   "-p", f"StandardOutput=append:{shim_log}", "-p", f"StandardError=append:{shim_log}",
                   self.args.python, "-m", "shim", "serve", "--listen", f"unix://{G.SHIM_SOCK}",
                   "--upstream", f"unix://{G.CONTAINERD_SOCK}", "--kubelet-config", self.kubelet_config,
@@ -436,10 +438,10 @@ class Guest:
         self.probe_failures()
 
     def probe_failures(self) -> None:
-        """What the real systemctl does where tests/fake_systemctl.py imitates it: a slice
+        """What the real systemd does where tests/fake_systemd_bus.py imitates it: a slice
         and a service systemd has not loaded, an unknown property, a value that is not a size
-        (recorded); the shim's wrapper must turn a refusal into a SystemdError."""
-        from shim.effects.systemd import Systemctl, SystemdError
+        (recorded); the shim's D-Bus client must turn a refusal into a SystemdError."""
+        from shim.effects.systemd_bus import SystemdBus, SystemdError
 
         out = {}
         for name, argv in (("slice-not-loaded", ["kubepods-burstable-podnosuch.slice", "MemoryMin=4096"]),
@@ -456,14 +458,14 @@ class Guest:
             "files": sorted(os.path.join(r, f) for d in ("/run/systemd/system.control", "/run/systemd/transient")
                             for r, _d, fs in os.walk(d) for f in fs if "podnosuch" in r + f)}
         try:
-            Systemctl().set_property("nosuch-e2e.service", "MemoryMin", 4096)
+            SystemdBus().set_unit_properties("nosuch-e2e.service", [("MemoryMin", 4096)])
             err = "(no error)"
         except SystemdError as e:
             err = str(e)
         out["wrapper"] = err
         self.data["systemctl_failures"] = out
-        self.report.check(SCENARIO, "setup", "systemctl set-property refused by systemd (a service it has not loaded)",
-                          "shim.effects.systemd.Systemctl", "SystemdError", "SystemdError" if err != "(no error)"
+        self.report.check(SCENARIO, "setup", "SetUnitProperties refused by systemd (a service it has not loaded)",
+                          "shim.effects.systemd_bus.SystemdBus", "SystemdError", "SystemdError" if err != "(no error)"
                           else err, err, source="systemd", ok=(err != "(no error)") == (out["service-not-loaded"]["exit"] != 0))
 
     def phase_cgroupfs(self) -> None:
@@ -579,7 +581,7 @@ class Guest:
                    "systemd re-applies the MemoryMin/MemoryLow it was given", ok=w["wrong_samples"] == 0)
         self.stop_shim()
         # memqos-shim reset: through systemd too, so a reload does not bring the values back
-        env = dict(os.environ, PYTHONPATH=CHECKOUT, PYTHONDONTWRITEBYTECODE="1")
+        env = dict(os.environ, PYTHONPATH=CHECKOUT, PYTHONDONTWRITEBYTECODE="1", PATH=NO_PATH)
         p = subprocess.run([self.args.python, "-m", "shim", "reset", "--kubelet-config", self.kubelet_config,
                             "--cgroup-root", CGROOT, "--audit-log", os.path.join(self.logs, "reset-audit.jsonl"),
                             "--systemd-writes", mode], capture_output=True, text=True, env=env, cwd=CHECKOUT,

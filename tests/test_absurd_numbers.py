@@ -352,14 +352,14 @@ def test_cgroupfs_without_a_ceiling_still_refuses_beyond_int64(tmp_path):
 def test_systemd_writer_refuses_before_asking_systemd(tmp_path):
     root = _tree(tmp_path, "kubepods.slice")
     asked = []
-    systemctl = SimpleNamespace(set_property=lambda *a: asked.append(a))
-    fs = CgroupWriter(str(root), ["kubepods.slice"], mode="dbus", systemctl=systemctl, ceiling=8 * GI, settle=0)
+    bus = SimpleNamespace(set_unit_properties=lambda *a: asked.append(a), down=False)
+    fs = CgroupWriter(str(root), ["kubepods.slice"], mode="dbus", bus=bus, ceiling=8 * GI, settle=0)
     fs.set_driver("systemd")
     with pytest.raises(ValueRefused):
         fs.write("kubepods.slice", "memory.min", INT64, "test")
     assert asked == []
     fs.write("kubepods.slice", "memory.min", 8 * GI, "test")
-    assert asked == [("kubepods.slice", "MemoryMin", 8 * GI)]
+    assert asked == [("kubepods.slice", [("MemoryMin", 8 * GI)])]
 
 
 def test_reconciler_reports_a_refused_value_and_goes_on(tmp_path):

@@ -290,15 +290,16 @@ def test_container_files_and_reclaim_in_observe(tmp_path):
 
 
 def test_systemd_writes_in_observe_ask_systemd_nothing(tmp_path):
-    class Systemd:
+    class Systemd:  # the D-Bus client's interface (shim.effects.systemd_bus.SystemdBus)
         calls: list = []
+        down = False
 
-        def set_property(self, *args):
+        def set_unit_properties(self, *args):
             self.calls.append(args)
 
     tree = FakeCgroupTree(tmp_path, "systemd")
     systemctl, records, rollout = Systemd(), [], Rollout("observe")
-    fs = CgroupWriter(str(tmp_path), [tree.kubepods], emit=records.append, mode="dbus", systemctl=systemctl,
+    fs = CgroupWriter(str(tmp_path), [tree.kubepods], emit=records.append, mode="dbus", bus=systemctl,
                       rollout=rollout, settle=0)
     fs.set_driver("systemd")
     fs.write(tree.burstable, "memory.min", 64 * MI, "sum", level=1)
@@ -307,7 +308,7 @@ def test_systemd_writes_in_observe_ask_systemd_nothing(tmp_path):
     assert (r["via"], r["property"], r["rollout"]) == ("systemd", "MemoryMin", "observe")
     rollout.set("enforce")
     fs.write(tree.burstable, "memory.min", 64 * MI, "sum", level=1)
-    assert systemctl.calls == [("kubepods-burstable.slice", "MemoryMin", 64 * MI)]
+    assert systemctl.calls == [("kubepods-burstable.slice", [("MemoryMin", 64 * MI)])]
 
 
 def test_memqos_mode_metric_says_the_mode():

@@ -360,10 +360,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("resync-interval", "float", 30.0, _positive_float,
            "seconds between resyncs with the runtime that recompute pod/QoS/node values and repair drift", "S"),
     Option("systemd-writes", "str", "auto", _systemd_writes,
-           "how pod/QoS/node values are written: dbus (systemd's SetUnitProperties MemoryMin=/MemoryLow= on the "
-           "slice units, runtime, so systemd keeps them across daemon-reload and its own property changes), "
-           "cgroupfs (directly to the files), auto (dbus when the cgroup driver is systemd and systemd is PID 1, "
-           "else cgroupfs)"),
+           "how pod/QoS/node values are written: dbus (systemd's SetUnitProperties MemoryMin/MemoryLow on the "
+           "slice units, runtime only, called on the system bus ($DBUS_SYSTEM_BUS_ADDRESS, else "
+           "/run/dbus/system_bus_socket), so systemd keeps them across daemon-reload and its own property "
+           "changes), cgroupfs (directly to the files), auto (dbus when the cgroup driver is systemd, systemd is "
+           "PID 1 and cgroup-root is /sys/fs/cgroup, else cgroupfs)"),
     Option("metrics-address", "str | None", None, _metrics_address,
            "serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT); default: off", "ADDR"),
     Option("health-file", "str | None", None, _optional_path,

@@ -138,9 +138,11 @@ class Config:
     #: values and repair drift
     resync_interval: float = 30.0
     #: --systemd-writes: how pod/QoS/node values are written: dbus (systemd's SetUnitProperties
-    #: MemoryMin=/MemoryLow= on the slice units, runtime, so systemd keeps them across daemon-reload
-    #: and its own property changes), cgroupfs (directly to the files), auto (dbus when the cgroup
-    #: driver is systemd and systemd is PID 1, else cgroupfs)
+    #: MemoryMin/MemoryLow on the slice units, runtime only, called on the system bus
+    #: ($DBUS_SYSTEM_BUS_ADDRESS, else /run/dbus/system_bus_socket), so systemd keeps them across
+    #: daemon-reload and its own property changes), cgroupfs (directly to the files), auto (dbus
+    #: when the cgroup driver is systemd, systemd is PID 1 and cgroup-root is /sys/fs/cgroup, else
+    #: cgroupfs)
     systemd_writes: str = "auto"
     #: --metrics-address: serve Prometheus metrics on HOST:PORT (a bare PORT means 127.0.0.1:PORT);
     #: default: off

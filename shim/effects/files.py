@@ -5,9 +5,9 @@ A symlink planted at one of these paths must not make the shim (usually root) ap
 create the file it points at. So the last component is opened with ``O_NOFOLLOW`` (a symlink
 there fails with ELOOP and is reported as ``UnsafeFile``), the descriptor must be a regular file
 (``O_NONBLOCK`` while opening, so a FIFO without a reader fails instead of hanging the start),
-and ``O_CLOEXEC`` keeps it out of the child processes the shim runs (``systemctl``,
-``kubelet --version``). Directories above the file are the operator's (a ``/var/log`` that is a
-symlink is followed as usual). New files get the mode the caller asks for (0600 for traces and
+and ``O_CLOEXEC`` keeps it out of the child processes the shim runs (``kubelet --version``).
+Directories above the file are the operator's (a ``/var/log`` that is a symlink is followed as
+usual). New files get the mode the caller asks for (0600 for traces and
 state, 0640 for the audit log); an existing file keeps its mode.
 
 Files written by rename (the guard's state) create their temporary file with

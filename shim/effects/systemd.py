@@ -7,8 +7,8 @@ a SetUnitProperties call such as the kubelet's periodic one on kubepods.slice, a
 unit starting) it writes every memory attribute of that unit from its own idea of the unit,
 and a memory.min or memory.low written directly to cgroupfs goes back to what systemd knows
 (0). So on such a node the shim tells systemd instead: ``SetUnitProperties(unit,
-runtime=true, [MemoryMin|MemoryLow = value])`` over D-Bus (via ``systemctl set-property
---runtime``), and systemd writes the file and keeps writing the same value.
+runtime=true, [(MemoryMin|MemoryLow, <uint64 value>)])`` on its D-Bus API (``SystemdBus``,
+shim/effects/systemd_bus.py), and systemd writes the file and keeps writing the same value.
 
 ``CgroupWriter`` is the writer the reconciler and ``reset`` use: a ``CgroupFS`` (same path
 validation, read-before-write, audit records) whose ``write()`` goes through systemd when
@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
-from shim.decision.quantity import MAX_BYTES
 from shim.effects.cgroupfs import CgroupFS, PathRefused, Write, split_path
+from shim.effects.systemd_bus import SystemdBus, SystemdError
+
+__all__ = ["CgroupWriter", "SystemdBus", "SystemdError", "slice_path", "unit_for_path", "systemd_booted"]
 
 WRITE_MODES = ("auto", "dbus", "cgroupfs")
 SYSTEMD_CGROUP_ROOT = "/sys/fs/cgroup"  # where systemd mounts the unified hierarchy
@@ -47,10 +47,6 @@ PROPERTY = {"memory.min": "MemoryMin", "memory.low": "MemoryLow"}
 # no escapes (backslash), no '@' templates, at most 255 characters.
 _UNIT = re.compile(r"^[A-Za-z0-9:_.-]{1,248}\.(slice|service|scope)$")
 _KUBEPODS_SLICE = re.compile(r"^kubepods(?:-[A-Za-z0-9_]+)*\.slice$")
-
-
-class SystemdError(OSError):
-    """systemd refused or could not be asked (the reconciler logs it and retries at the next resync)."""
 
 
 def slice_path(name: str) -> list[str]:
@@ -95,48 +91,16 @@ def systemd_booted(run_dir: str = "/run/systemd/system") -> bool:
     return os.path.isdir(run_dir)
 
 
-class Systemctl:
-    """Sets unit properties through systemd's D-Bus API by running ``systemctl set-property
-    --runtime`` (off the CRI path: only the reconciler thread and ``reset`` call it)."""
-
-    def __init__(self, command: Sequence[str] = ("systemctl",), timeout: float = 15.0,
-                 run: Callable[..., subprocess.CompletedProcess] = subprocess.run):
-        self.command = list(command)
-        self.timeout = timeout
-        self._run = run
-
-    def available(self) -> bool:
-        return shutil.which(self.command[0]) is not None
-
-    def set_property(self, unit: str, prop: str, value: int) -> None:
-        if prop not in PROPERTY.values():
-            raise ValueError(f"{prop!r} is not a property the shim sets")
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BYTES:
-            raise ValueError(f"bad value {value!r}")
-        argv = [*self.command, "set-property", "--runtime", "--", unit, f"{prop}={value}"]
-        try:
-            p = self._run(argv, capture_output=True, text=True, timeout=self.timeout,
-                          stdin=subprocess.DEVNULL)
-        except FileNotFoundError as e:
-            raise SystemdError(f"cannot run {self.command[0]}: {e.strerror}") from None
-        except subprocess.TimeoutExpired:
-            raise SystemdError(f"systemctl set-property {unit} {prop}={value}: no answer in {self.timeout:g} s") from None
-        if p.returncode != 0:
-            msg = (p.stderr or p.stdout or "").strip().splitlines()
-            raise SystemdError(f"systemctl set-property {unit} {prop}={value} failed (exit {p.returncode}): "
-                               f"{(msg[-1] if msg else 'no message')[:300]}")
-
-
 class CgroupWriter(CgroupFS):
     """CgroupFS whose writes go through systemd on systemd-driver nodes (see the module doc)."""
 
     def __init__(self, root: str, allowed: Iterable[str] = (), *, mode: str = "auto",
-                 systemctl: Systemctl | None = None, booted: Callable[[], bool] = systemd_booted,
+                 bus: SystemdBus | None = None, booted: Callable[[], bool] = systemd_booted,
                  systemd_root: str = SYSTEMD_CGROUP_ROOT, settle: float = 2.0, **kw):
         if mode not in WRITE_MODES:
             raise ValueError(f"systemd-writes must be one of {list(WRITE_MODES)}, not {mode!r}")
         self.mode = mode
-        self.systemctl = systemctl or Systemctl()
+        self._bus = bus  # made on the first write through systemd
         self._booted = booted
         self._systemd_root = systemd_root
         self.settle = settle
@@ -149,6 +113,18 @@ class CgroupWriter(CgroupFS):
         """The kubelet's cgroup driver and the reserved cgroup paths (from the reconciler's layout)."""
         self.driver = driver
         self.reserved = ["/".join(split_path(r)) for r in reserved]
+
+    @property
+    def bus(self) -> SystemdBus:
+        """The connection to systemd (made when first needed: a cgroupfs writer never has one)."""
+        if self._bus is None:
+            self._bus = SystemdBus()
+        return self._bus
+
+    def close(self) -> None:
+        """Close the connection to systemd, if one was made."""
+        if self._bus is not None:
+            self._bus.close()
 
     @property
     def via(self) -> str:
@@ -193,7 +169,7 @@ class CgroupWriter(CgroupFS):
         if observe and self.observed_before(parts, file, old, new):
             return None
         if not self.dry_run and not observe:
-            self.systemctl.set_property(unit, PROPERTY[file], value)
+            self._tell_systemd(unit, PROPERTY[file], value)
             if len(self._told) > 100000:
                 self._told.clear()
             self._told[key] = new
@@ -206,3 +182,15 @@ class CgroupWriter(CgroupFS):
         if old == new:  # the file held it already (cgroupfs write), systemd did not know it
             through["adopted"] = True
         return self._record(parts, file, old, new, why, level, drift, {**through, **(extra or {})}, observe=observe)
+
+    def _tell_systemd(self, unit: str, prop: str, value: int) -> None:
+        """SetUnitProperties; the bus going away and coming back are audited once each
+        (``systemd-bus`` records), every failed call raises SystemdError."""
+        bus = self.bus
+        was_down = bus.down
+        try:
+            bus.set_unit_properties(unit, [(prop, value)])
+        finally:
+            if bus.down != was_down and self._emit is not None:
+                self._emit({"event": "systemd-bus", "state": "down" if bus.down else "up", "bus": bus.where,
+                            **({"error": bus.last_error} if bus.down else {})})

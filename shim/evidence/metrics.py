@@ -340,6 +340,9 @@ class Metrics:
         self.cgroup_refusals = Counter("memqos_cgroup_refusals", "cgroup paths refused (outside the tree, symlink, ...)",
                                        ("by",), registry=r)
         self.reconciler_errors = Counter("memqos_reconciler_errors", "reconciler errors (audited)", registry=r)
+        self.systemd_bus_unreachable = Counter(
+            "memqos_systemd_bus_unreachable",
+            "times the system bus stopped answering the systemd writer (audit systemd-bus state down)", registry=r)
         self.guard_actions = Counter("memqos_guard_actions", "memory.high guard actions",
                                      ("action",), registry=r)
         for a in GUARD_EVENTS:
@@ -423,6 +426,8 @@ class Metrics:
                 self.cgroup_writes.labels("container", "memory.reclaim").inc(writes)
         elif event == "reconciler-error":
             self.reconciler_errors.inc()
+        elif event == "systemd-bus" and record.get("state") == "down":
+            self.systemd_bus_unreachable.inc()
         elif isinstance(event, str) and event.startswith("guard-"):
             action = event[len("guard-"):]
             if action in GUARD_EVENTS:

@@ -212,6 +212,7 @@ class Reconciler(Worker):
     def stop(self, timeout: float = 5.0) -> bool:
         if not super().stop(timeout):
             return False
+        self.fs.close()
         if self.client is not None:
             try:
                 self.client.close()

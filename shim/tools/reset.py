@@ -58,7 +58,7 @@ def managed_cgroups(fs: CgroupFS, layout: CgroupLayout, reserved: list[str]) -> 
 
 def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: bool = False,
                   kubelet_version: tuple[int, int] | None = None, systemd_writes: str = "cgroupfs",
-                  systemctl=None) -> tuple[list[Write], list[str], list[str]]:
+                  bus=None) -> tuple[list[Write], list[str], list[str]]:
     """Set every managed value to 0, bottom-up. Returns (writes, notes, errors). Values the
     kubelet writes itself (its MemoryQoS configured to protect requests, shim.node.kubelet)
     are the kubelet's: reset leaves them alone and says so. Through systemd on a systemd node
@@ -86,24 +86,28 @@ def reset_cgroups(cgroup_root: str, kubelet: KubeletFacts, emit, *, dry_run: boo
             except PathRefused as e:
                 problems.append(f"{kind} cgroup refused: {e}")
     fs = CgroupWriter(cgroup_root, [layout.kubepods, *reserved], emit=emit, dry_run=dry_run, mode=systemd_writes,
-                      systemctl=systemctl)
+                      bus=bus)
     fs.set_driver(driver, reserved)
     writes: list[Write] = []
-    for level, path in managed_cgroups(fs, layout, reserved):
-        files = ("memory.min",) if path in reserved else MANAGED_FILES
-        for file in files:
-            try:
-                w = fs.write(path, file, 0, "memqos-shim reset", level=level, extra={"trigger": "reset"})
-            except FileNotFoundError:
-                continue
-            except PathRefused as e:
-                problems.append(f"{path}: refused: {e}")
-                continue
-            except OSError as e:
-                problems.append(f"{path}/{file}: {e}")
-                continue
-            if w is not None:
-                writes.append(w)
+    try:
+        for level, path in managed_cgroups(fs, layout, reserved):
+            files = ("memory.min",) if path in reserved else MANAGED_FILES
+            for file in files:
+                try:
+                    w = fs.write(path, file, 0, "memqos-shim reset", level=level, extra={"trigger": "reset"})
+                except FileNotFoundError:
+                    continue
+                except PathRefused as e:
+                    problems.append(f"{path}: refused: {e}")
+                    continue
+                except OSError as e:
+                    problems.append(f"{path}/{file}: {e}")
+                    continue
+                if w is not None:
+                    writes.append(w)
+    finally:
+        if bus is None:  # the writer's own connection to systemd
+            fs.close()
     return writes, [], problems
 
 
