@@ -2421,11 +2421,13 @@ def check_stack_binaries(report: Report, stack: dict, containerd_pid: int) -> No
     from shim.cri import api_pb2 as pb
 
     why = f"stack {stack['name']}: {stack.get('about', '')}"
-    report.check("*", "stack", "containerd process", f"/proc/{containerd_pid}/exe", stack["containerd"],
-                 os.readlink(f"/proc/{containerd_pid}/exe"), why, "procfs")
+    # /proc/PID/exe names the binary with every symlink resolved: so is the expected path
+    report.check("*", "stack", "containerd process", f"/proc/{containerd_pid}/exe",
+                 os.path.realpath(stack["containerd"]), os.readlink(f"/proc/{containerd_pid}/exe"), why, "procfs")
     shims = sorted({os.readlink(f"/proc/{p}/exe") for p in pids_named("containerd-shim")})
     report.check("*", "stack", "containerd-shim-runc-v2 processes", "/proc/<containerd-shim>/exe",
-                 stack["containerd-shim-runc-v2"], ", ".join(shims) or "(no shim running)", why, "procfs")
+                 os.path.realpath(stack["containerd-shim-runc-v2"]), ", ".join(shims) or "(no shim running)", why,
+                 "procfs")
     cri = Cri(CONTAINERD_SOCK)
     try:
         v = cri.call("Version", pb.VersionRequest(), timeout=30)

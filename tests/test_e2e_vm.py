@@ -565,3 +565,35 @@ def test_sampling_check_values_left_over_from_before_sampling(tmp_path):
     fresh.start()
     fresh.stop()
     assert fresh.samples[0].departed == frozenset()
+
+
+def test_stack_check_names_the_binary_through_a_symlinked_directory(tmp_path, monkeypatch):
+    """The stack's binaries named through a symlinked directory (a checkout whose out/ is a
+    link) are the processes' /proc/PID/exe, which has every link resolved."""
+    import guest
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    exe = os.path.realpath(sys.executable)
+
+    class FakeCri:
+        def __init__(self, sock):
+            pass
+
+        def call(self, name, msg, timeout=0):
+            from shim.cri import api_pb2 as pb
+            return pb.VersionResponse(runtime_version="1.7.24")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(guest, "Cri", FakeCri)
+    monkeypatch.setattr(guest, "pids_named", lambda comm: [os.getpid()])
+    os.symlink(exe, real / "python")
+    linked = str(tmp_path / "link" / "python")
+    report = guest.Report(str(tmp_path / "out"))
+    report.data.setdefault("stack", {})
+    guest.check_stack_binaries(report, {"name": "t", "containerd": linked, "containerd-shim-runc-v2": linked,
+                                        "containerd_version": "1.7.24"}, os.getpid())
+    assert [c["pass"] for c in report.data["checks"]] == [True, True, True]
