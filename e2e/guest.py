@@ -591,6 +591,7 @@ class Scenario:
         self.started_init: dict[str, bool] = {}
         self.direct = Cri(CONTAINERD_SOCK)
         self.on_running = None  # () -> None, once the created containers run (main's stack check)
+        self.on_created = None  # (scenario) -> None, after the "created" step's checks (the NRI scenario's table)
         self.protection: P.Protection | None = None
 
     # -- checks ---------------------------------------------------------------------------------
@@ -793,6 +794,8 @@ class Scenario:
         if self.on_running:
             self.on_running()
         self.check_all("created")
+        if self.on_created:
+            self.on_created(self)
         self.doctor()
 
         # 2. updated: raise one Burstable container's limit, then check every value again
@@ -2429,11 +2432,13 @@ def check_stack_binaries(report: Report, stack: dict, containerd_pid: int) -> No
     from shim.cri import api_pb2 as pb
 
     why = f"stack {stack['name']}: {stack.get('about', '')}"
-    report.check("*", "stack", "containerd process", f"/proc/{containerd_pid}/exe", stack["containerd"],
-                 os.readlink(f"/proc/{containerd_pid}/exe"), why, "procfs")
+    # /proc/PID/exe names the binary with every symlink resolved: so is the expected path
+    report.check("*", "stack", "containerd process", f"/proc/{containerd_pid}/exe",
+                 os.path.realpath(stack["containerd"]), os.readlink(f"/proc/{containerd_pid}/exe"), why, "procfs")
     shims = sorted({os.readlink(f"/proc/{p}/exe") for p in pids_named("containerd-shim")})
     report.check("*", "stack", "containerd-shim-runc-v2 processes", "/proc/<containerd-shim>/exe",
-                 stack["containerd-shim-runc-v2"], ", ".join(shims) or "(no shim running)", why, "procfs")
+                 os.path.realpath(stack["containerd-shim-runc-v2"]), ", ".join(shims) or "(no shim running)", why,
+                 "procfs")
     cri = Cri(CONTAINERD_SOCK)
     try:
         v = cri.call("Version", pb.VersionRequest(), timeout=30)
@@ -2486,8 +2491,9 @@ def main(argv: list[str]) -> int:
                     help="guard: seconds allowed beyond window + one interval for the guard to act")
     ap.add_argument("--reclaim", action="store_true",
                     help="run the proactive reclaim scenario (after the traces and the guard)")
-    ap.add_argument("--nri", action="store_true",
-                    help="run the NRI scenario (e2e/nri_scenario.py) on the first --trace instead of the traces")
+    ap.add_argument("--nri", default="", metavar="TRACE",
+                    help="run the NRI scenario (e2e/nri_scenario.py) on this trace, after the others; proxy mode's "
+                         "values for it are those of the --trace replay of the same file when there is one")
     ap.add_argument("--manifests", default="")
     ap.add_argument("--driver", default="all", help="cgroupfs, systemd or all")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the reconciler gets to converge")
@@ -2530,7 +2536,7 @@ def main(argv: list[str]) -> int:
         if not reconciler[0]:
             log("no reconciler in the checkout: pod/QoS/node values will be reported as skipped")
         images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar", "hog.tar")]
-        containerd = start_containerd(logs, images, False, report, stack, nri=args.nri)
+        containerd = start_containerd(logs, images, False, report, stack, nri=bool(args.nri))
         log("containerd ready, images imported")
         stack_checked: list[bool] = []
 
@@ -2539,7 +2545,23 @@ def main(argv: list[str]) -> int:
                 stack_checked.append(True)
                 check_stack_binaries(report, stack, containerd.pid)
 
-        if args.nri:
+        created_values: dict[str, dict[str, str]] = {}  # trace path -> the values after its "created" step
+        for spec in args.trace:
+            name, path = spec.split("=", 1)
+            scenario = Scenario(args, report, path, name, reconciler)
+            scenario.on_running = stack_check
+            if args.nri and os.path.realpath(path) == os.path.realpath(args.nri):
+                import nri_scenario
+
+                scenario.on_created = lambda scn, p=path: created_values.__setitem__(p, nri_scenario.values(scn))
+            run_scenario(name, scenario, report)
+        if args.guard:
+            guard = GuardScenario(args, report)
+            guard.on_running = stack_check
+            run_scenario("guard", guard, report)
+        if args.reclaim:
+            run_scenario("reclaim", ReclaimScenario(args, report), report)
+        if args.nri:  # last: its pods stay until the VM ends
             import nri_scenario
 
             def restart_containerd():
@@ -2549,20 +2571,11 @@ def main(argv: list[str]) -> int:
                 containerd = start_containerd(logs, [], False, report, stack, nri=True)
                 return containerd
 
-            nri = nri_scenario.NriScenario(args, report, args.trace[0].split("=", 1)[1], reconciler,
-                                           containerd, restart_containerd)
+            proxy_values = next((v for p, v in created_values.items()
+                                 if os.path.realpath(p) == os.path.realpath(args.nri)), None)
+            nri = nri_scenario.NriScenario(args, report, args.nri, reconciler, containerd, restart_containerd,
+                                           proxy_values=proxy_values)
             run_scenario("nri", nri, report)
-        for spec in ([] if args.nri else args.trace):
-            name, path = spec.split("=", 1)
-            scenario = Scenario(args, report, path, name, reconciler)
-            scenario.on_running = stack_check
-            run_scenario(name, scenario, report)
-        if args.guard:
-            guard = GuardScenario(args, report)
-            guard.on_running = stack_check
-            run_scenario("guard", guard, report)
-        if args.reclaim:
-            run_scenario("reclaim", ReclaimScenario(args, report), report)
         if not args.trace and not args.guard and not args.reclaim and not args.nri:
             raise InfraError("nothing to run: no --trace, no --guard, no --reclaim")
     except InfraError as e:

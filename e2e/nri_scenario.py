@@ -1,9 +1,10 @@
 """The NRI scenario of the real-kernel suite (scripts/e2e-vm --scenario nri): `memqos-shim nri`
 as a plugin of the real containerd, pods created straight at containerd's CRI socket.
 
-  1. proxy mode: the gate-off trace's pods created through `memqos-shim serve` (as the traces
-     scenario does), every value read back and checked against e2e/expect.py; then every pod
-     removed and the kubepods tree deleted;
+  1. proxy mode: the gate-off trace's pods created through `memqos-shim serve`, every value
+     read back. When the same VM boot replayed that trace (scenario all+nri or traces+nri), its
+     "created" step's values are taken (guest.py hands them over); else the pods are created
+     here, checked against e2e/expect.py, then removed and the kubepods tree deleted;
   2. NRI mode: `memqos-shim nri` started as a process (it connects to /var/run/nri/nri.sock),
      the same recorded RunPodSandbox / CreateContainer / StartContainer requests replayed at
      containerd itself (no proxy in the path), the same checks, and one table: each cgroup's
@@ -14,7 +15,9 @@ as a plugin of the real containerd, pods created straight at containerd's CRI so
   4. the plugin stopped with SIGSTOP: a new pod's RunPodSandbox / CreateContainer still succeed
      (containerd times the plugin out and closes it, its log says so), and after SIGCONT the
      plugin reconnects and the new pod gets its values (Synchronize + reconciler);
-  5. containerd restarted: the plugin reconnects and registers exactly once.
+  5. containerd restarted: the plugin reconnects and registers exactly once;
+  6. the CreateContainer latency bench at containerd's CRI socket: no plugin, the plugin, proxy
+     mode, in alternating blocks (e2e/nri_bench.py).
 
 Registrations are counted from the plugin's audit ("nri-configure", one per registration, then
 "nri-synchronize"), the runtime's side from containerd.log.
@@ -113,9 +116,36 @@ def containerd_lines(logs: str, needle: str) -> list[str]:
         return []
 
 
+def values(scn: G.Scenario) -> dict[str, str]:
+    """cgroup (named by pod case and container name, the same in both modes) -> value read."""
+    import json
+
+    from shim.cri import api_pb2 as pb
+
+    out = {}
+    for pod in scn.model.live_pods().values():
+        for c in pod["containers"].values():
+            key = f"{pod['parent']}/<{c['name']}>"
+            if c["init"]:
+                st = scn.direct.call("ContainerStatus", pb.ContainerStatusRequest(container_id=c["id"], verbose=True))
+                spec = json.loads(st.info.get("info", "{}")).get("runtimeSpec") or {}
+                unified = ((spec.get("linux") or {}).get("resources") or {}).get("unified") or {}
+                for k in ("memory.min", "memory.high"):
+                    out[f"{key} (init, runtime spec) {k}"] = unified.get(k, "(absent)")
+                continue
+            for k in ("memory.min", "memory.high", "memory.max"):
+                out[f"{key} {k}"] = G.cg_read(f"{pod['parent']}/{c['id']}", k)
+        out[f"{pod['parent']} memory.min"] = G.cg_read(pod["parent"], "memory.min")
+    for path in ("/kubepods/burstable", "/kubepods/besteffort", "/kubepods"):
+        out[f"{path} memory.min"] = G.cg_read(path, "memory.min")
+    return out
+
+
 class NriScenario:
-    def __init__(self, args, report, trace_path: str, reconciler, containerd, restart_containerd):
+    def __init__(self, args, report, trace_path: str, reconciler, containerd, restart_containerd,
+                 proxy_values: dict[str, str] | None = None):
         self.args, self.report = args, report
+        self.proxy_values = proxy_values  # proxy mode's values() for this trace, from the same boot's replay
         self.trace_path, self.reconciler = trace_path, reconciler
         self.containerd, self.restart_containerd = containerd, restart_containerd
         self.logs = os.path.join(args.out, "logs")
@@ -171,31 +201,6 @@ class NriScenario:
                 scn.model.add_container(req, resp)
         scn.wait_containers()
 
-    @staticmethod
-    def values(scn: G.Scenario) -> dict[str, str]:
-        """cgroup (named by pod case and container name, the same in both modes) -> value read."""
-        import json
-
-        from shim.cri import api_pb2 as pb
-
-        out = {}
-        for pod in scn.model.live_pods().values():
-            for c in pod["containers"].values():
-                key = f"{pod['parent']}/<{c['name']}>"
-                if c["init"]:
-                    st = scn.direct.call("ContainerStatus", pb.ContainerStatusRequest(container_id=c["id"], verbose=True))
-                    spec = json.loads(st.info.get("info", "{}")).get("runtimeSpec") or {}
-                    unified = ((spec.get("linux") or {}).get("resources") or {}).get("unified") or {}
-                    for k in ("memory.min", "memory.high"):
-                        out[f"{key} (init, runtime spec) {k}"] = unified.get(k, "(absent)")
-                    continue
-                for k in ("memory.min", "memory.high", "memory.max"):
-                    out[f"{key} {k}"] = G.cg_read(f"{pod['parent']}/{c['id']}", k)
-            out[f"{pod['parent']} memory.min"] = G.cg_read(pod["parent"], "memory.min")
-        for path in ("/kubepods/burstable", "/kubepods/besteffort", "/kubepods"):
-            out[f"{path} memory.min"] = G.cg_read(path, "memory.min")
-        return out
-
     def min_paths(self) -> list[str]:
         scn = self.nri
         paths = []
@@ -207,16 +212,21 @@ class NriScenario:
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> None:
         t_all = time.time()
-        # 1. proxy mode
-        self.proxy = G.Scenario(self.args, self.report, self.trace_path, "nri-proxy", self.reconciler)
-        self.proxy.report.data["scenarios"].append({"name": "nri-proxy", "trace": self.trace_path})
-        self.proxy.shim.start()
-        self.proxy.shim_cri = G.Cri(G.SHIM_SOCK)
-        self.create(self.proxy, self.proxy.shim_cri)
-        self.proxy.check_all("created (proxy mode)")
-        proxy_values = self.values(self.proxy)
-        self.proxy.teardown()
-        self.proxy = None
+        # 1. proxy mode: the same boot's replay of this trace ("created" step), else replayed here
+        proxy_values = self.proxy_values
+        if proxy_values is None:
+            self.proxy = G.Scenario(self.args, self.report, self.trace_path, "nri-proxy", self.reconciler)
+            self.proxy.report.data["scenarios"].append({"name": "nri-proxy", "trace": self.trace_path})
+            self.proxy.shim.start()
+            self.proxy.shim_cri = G.Cri(G.SHIM_SOCK)
+            self.create(self.proxy, self.proxy.shim_cri)
+            self.proxy.check_all("created (proxy mode)")
+            proxy_values = values(self.proxy)
+            self.proxy.teardown()
+            self.proxy = None
+            self.note("proxy mode's values: the trace's pods created through memqos-shim serve here")
+        else:
+            self.note("proxy mode's values: this boot's replay of the same trace, its 'created' step")
 
         # 2. NRI mode: the plugin, then the same requests straight at containerd
         self.nri = G.Scenario(self.args, self.report, self.trace_path, SCN, self.reconciler)
@@ -230,7 +240,7 @@ class NriScenario:
         self.note(f"plugin registered after {dt:.1f}s: {conf[-1] if conf else '?'}")
         self.create(self.nri, self.nri.direct, next_attempt=True)
         self.nri.check_all("created (NRI mode)")
-        nri_values = self.values(self.nri)
+        nri_values = values(self.nri)
         table = self.report.data["nri"]["table"]
         width = max(len(k) for k in proxy_values) if proxy_values else 10
         lines = [f"{'cgroup':<{width}}  {'proxy mode':>12}  {'NRI mode':>12}"]
@@ -248,6 +258,7 @@ class NriScenario:
         self.kill_restart()
         self.stopped_plugin()
         self.containerd_restart()
+        self.bench()
         self.report.timing("nri:total", time.time() - t_all)
 
     def kill_restart(self) -> None:
@@ -283,9 +294,10 @@ class NriScenario:
         self.plugin.wait_synced(syncs + 1)
         self.nri.check_all("plugin restarted after values were zeroed")
 
-    def late_pod(self):
-        """A copy of qos-burstable-limit's RunPodSandbox + CreateContainer requests as a new pod
-        (new uid of the same length, so the serialized request is edited in place)."""
+    def clone_pod(self, tail: str, name_suffix: str):
+        """A copy of qos-burstable-limit's RunPodSandbox + CreateContainer requests as a new pod:
+        the uid's last four characters replaced by ``tail`` (the same length, so the serialized
+        request is edited in place), ``name_suffix`` added to the pod's name."""
         import base64
 
         from shim.cri import api_pb2 as pb
@@ -307,7 +319,7 @@ class NriScenario:
         if run_req is None or create_req is None:
             raise G.InfraError("no qos-burstable-limit/main in the trace")
         old = run_req.config.metadata.uid
-        new = old[:-4] + ("beef" if old[-4:] != "beef" else "f00d")
+        new = old[:-4] + tail
 
         def renamed(msg):
             data = msg.SerializeToString().replace(old.encode(), new.encode())
@@ -315,8 +327,8 @@ class NriScenario:
             return out
 
         run_req, create_req = renamed(run_req), renamed(create_req)
-        run_req.config.metadata.name += "-late"
-        create_req.sandbox_config.metadata.name += "-late"
+        run_req.config.metadata.name += name_suffix
+        create_req.sandbox_config.metadata.name += name_suffix
         with self.nri.replayer.lock:
             G.substitute_ids(create_req, dict(self.nri.replayer.idmap))
         return run_req, create_req
@@ -325,7 +337,7 @@ class NriScenario:
         # 4. SIGSTOP: the runtime times the plugin out, the pod is still created
         from shim.cri import api_pb2 as pb
 
-        run_req, create_req = self.late_pod()
+        run_req, create_req = self.clone_pod("beef", "-late")
         closing_before = len(containerd_lines(self.logs, "closing plugin"))
         syncs = len(self.plugin.events("nri-synchronize"))
         self.plugin.signal(signal.SIGSTOP)
@@ -391,6 +403,16 @@ class NriScenario:
         self.note(f"containerd restarted: plugin synchronized after {dt:.1f}s, {n} registration(s); "
                   f"containerd.log lines naming memqos (last): {mentions}")
         self.nri.check_all("containerd restarted")
+
+    def bench(self) -> None:
+        # 6. CreateContainer latency: no plugin / plugin / proxy mode, alternating blocks
+        import nri_bench
+
+        result = nri_bench.Bench(self).run()
+        self.report.data["nri"]["latency"] = result
+        self.report.timing("nri:latency-bench", result["seconds"])
+        for line in nri_bench.summary_lines(result):
+            self.note(line)
 
     def teardown(self) -> None:
         if self.plugin and self.plugin.proc and self.plugin.proc.poll() is None:

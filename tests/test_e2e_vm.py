@@ -199,6 +199,59 @@ def test_e2e_vm_rejects_an_unknown_scenario():
     assert p.returncode == 3 and "--scenario must be all, traces or guard" in p.stderr
 
 
+@pytest.mark.parametrize("scenario", ["bogus+nri", "nri+nri", "all+", "+nri"])
+def test_e2e_vm_rejects_an_unknown_scenario_with_nri(scenario):
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--scenario", scenario, "--no-install"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "--scenario must be all, traces or guard" in p.stderr, p.stderr
+
+
+def ci_default_entries() -> list[str]:
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        m = re.search(r"\$\{MEMQOS_CI_E2E:-([^}]*)\}", f.read())
+    assert m, ".ci/run has no default MEMQOS_CI_E2E entries"
+    return m.group(1).split()
+
+
+def test_ci_runs_the_nri_scenario_on_both_nri_stacks_in_boots_it_already_makes():
+    """.ci/run's default: the NRI scenario on containerd 2.x and 1.7, each inside a VM boot that
+    runs other scenarios too (no boot of its own), and every entry one scripts/e2e-vm accepts
+    (a scenario it knows: it gets as far as the stack check)."""
+    entries = ci_default_entries()
+    vm_entries = [e.split(":") for e in entries if e != "systemd"]
+    nri_stacks = {e[0] for e in vm_entries if e[1] == "nri" or e[1].endswith("+nri")}
+    assert {"2.x", "1.7"} <= nri_stacks
+    assert not [e for e in vm_entries if e[1] == "nri"]  # no boot for the NRI scenario alone
+    assert len({e[0] for e in vm_entries}) == len(vm_entries)  # one boot per stack
+    for stack, scenario, *trace in vm_entries:
+        p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--scenario", scenario, "--stack", "9",
+                            *(["--trace", trace[0]] if trace else []), "--no-install"],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 3 and "--stack must be one of" in p.stderr, (scenario, p.stderr)
+
+
+def test_nri_latency_bench_summary():
+    """e2e/nri_bench.py's figures: nearest-rank percentiles per mode, the time the plugin and the
+    proxy add over no plugin (and the ratio of medians), the handler's own time."""
+    import nri_bench
+
+    assert nri_bench.percentile([], 50) is None
+    assert nri_bench.percentile([5.0, 1.0, 3.0], 50) == 3.0
+    assert nri_bench.percentile(list(range(1, 101)), 99) == 99
+    samples = {"none": [10.0] * 50 + [20.0] * 50, "nri": [11.0] * 99 + [40.0], "proxy": [14.0] * 100}
+    r = nri_bench.summarize(samples, [80, 100, 120])
+    assert r["modes"]["none"] == {"n": 100, "p50_ms": 10.0, "p99_ms": 20.0}
+    assert r["added"]["nri"] == {"p50_ms": 1.0, "p99_ms": -9.0, "p50_ratio": 1.1}
+    assert r["added"]["proxy"]["p50_ms"] == 4.0 and r["added"]["proxy"]["p50_ratio"] == 1.4
+    assert r["handler_us"] == {"n": 3, "p50": 100, "p99": 120}
+    r.update(rounds=4, per_block=25)
+    lines = nri_bench.summary_lines(r)
+    assert any("NRI plugin" in line and "added p50 +1.0 ms" in line for line in lines)
+    assert any("handler" in line and "p50 100 us" in line for line in lines)
+    empty = nri_bench.summarize({"none": [], "nri": [1.0], "proxy": []}, [])
+    assert empty["added"] == {} and empty["handler_us"]["p50"] is None
+
+
 @pytest.mark.vm
 def test_real_kernel_suite(tmp_path):
     """Boot the VM and run the whole suite; every asserted cgroup file must match."""
@@ -512,3 +565,35 @@ def test_sampling_check_values_left_over_from_before_sampling(tmp_path):
     fresh.start()
     fresh.stop()
     assert fresh.samples[0].departed == frozenset()
+
+
+def test_stack_check_names_the_binary_through_a_symlinked_directory(tmp_path, monkeypatch):
+    """The stack's binaries named through a symlinked directory (a checkout whose out/ is a
+    link) are the processes' /proc/PID/exe, which has every link resolved."""
+    import guest
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    exe = os.path.realpath(sys.executable)
+
+    class FakeCri:
+        def __init__(self, sock):
+            pass
+
+        def call(self, name, msg, timeout=0):
+            from shim.cri import api_pb2 as pb
+            return pb.VersionResponse(runtime_version="1.7.24")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(guest, "Cri", FakeCri)
+    monkeypatch.setattr(guest, "pids_named", lambda comm: [os.getpid()])
+    os.symlink(exe, real / "python")
+    linked = str(tmp_path / "link" / "python")
+    report = guest.Report(str(tmp_path / "out"))
+    report.data.setdefault("stack", {})
+    guest.check_stack_binaries(report, {"name": "t", "containerd": linked, "containerd-shim-runc-v2": linked,
+                                        "containerd_version": "1.7.24"}, os.getpid())
+    assert [c["pass"] for c in report.data["checks"]] == [True, True, True]

@@ -600,3 +600,15 @@ def test_metrics_and_the_monitor_run_in_nri_mode(tmp_path):
         finally:
             await service.stop()
     run(main())
+
+
+def test_create_container_record_carries_the_handlers_own_time():
+    """`handler_us`: the clock from the call reaching the handler to its audit record (the
+    VM suite's latency bench reads it beside the CreateContainer round trip)."""
+    ticks = iter(range(0, 10 ** 9, 250_000))  # 250 µs per reading of the clock
+    records = []
+    pod = nri_pod("p", UB, "burstable")
+    c = nri_container("c1", pod, "app", "burstable", request=256 * MI, limit=1024 * MI)
+    NriMemoryQoS(NODE, Policy.HARD, records.append, clock=lambda: next(ticks)).create_container(pod, c)
+    created = [r for r in records if r.get("method") == "CreateContainer"]
+    assert len(created) == 1 and created[0]["handler_us"] == 250

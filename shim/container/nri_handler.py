@@ -99,7 +99,7 @@ class NriMemoryQoS(Handler):
         start = self._clock()
         observe = self.rollout.observe
         try:
-            adjust, unified, annotations, facts = self._create(pod, container, observe=observe)
+            adjust, unified, annotations, facts = self._create(pod, container, observe=observe, start=start)
         except Exception as e:  # noqa: BLE001 - fail open: the container is created as asked
             self._failed("CreateContainer", pod, container, e, observe)
             adjust, unified, annotations, facts = None, container.linux.resources.unified, container.annotations, None
@@ -123,7 +123,10 @@ class NriMemoryQoS(Handler):
             running.add(cid)
 
     def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer", *,
-                observe: bool = False):
+                observe: bool = False, start: int | None = None):
+        """The decision for one container and its adjustment; with ``start`` (the clock when the
+        runtime's call reached the handler) the audit record carries ``handler_us``, the handler's
+        own time up to the record: facts, decision and the adjustment built."""
         qos = self.qos
         facts = nf.pod_facts(pod, container)
         kubelet = nf.container_facts(container)
@@ -147,7 +150,9 @@ class NriMemoryQoS(Handler):
         self.containers[container.id] = KnownContainer(container.pod_sandbox_id or pod.id, container.name, facts,
                                                        decision.qos, decision.request)
         self._emit(tag({**self._base(method, pod, container), **qos.describe(decision, owns),
-                        "event": "rewrite" if keys else "unchanged", "adjust": keys}, observe))
+                        "event": "rewrite" if keys else "unchanged", "adjust": keys,
+                        **({"handler_us": (self._clock() - start) // 1000} if start is not None else {})},
+                       observe))
         return adjust, {**unified, **keys}, {**annotations, CONTAINER_ANNOTATION: note}, (facts, kubelet)
 
     def update_container(self, pod: pb.PodSandbox, container: pb.Container,
