@@ -30,7 +30,7 @@ UID = "0b5e7a11-0000-4000-8000-0000000000a1"
 UID2 = "0b5e7a11-0000-4000-8000-0000000000a2"
 UID3 = "0b5e7a11-0000-4000-8000-0000000000a3"
 REQUESTS = json.dumps({"app": "64Mi"})
-VOLATILE = {"rollout", "time"}
+VOLATILE = {"rollout", "time", "handler_us"}  # handler_us: the NRI handler's own time, per call
 
 
 def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
