@@ -597,3 +597,19 @@ def test_stack_check_names_the_binary_through_a_symlinked_directory(tmp_path, mo
     guest.check_stack_binaries(report, {"name": "t", "containerd": linked, "containerd-shim-runc-v2": linked,
                                         "containerd_version": "1.7.24"}, os.getpid())
     assert [c["pass"] for c in report.data["checks"]] == [True, True, True]
+
+
+def test_ci_entry_point_and_shell_scripts_parse():
+    """`bash -n` of .ci/run and every shell script under scripts/ and deploy/: a syntax error
+    there fails CI after the whole unit suite has run, or an operator's install."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = [root / ".ci" / "run", *sorted((root / "deploy").glob("*.sh"))]
+    scripts += [p for p in sorted((root / "scripts").iterdir())
+                if p.is_file() and p.read_text(errors="replace").startswith("#!/usr/bin/env bash")]
+    assert len(scripts) > 5
+    for script in scripts:
+        p = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, f"{script.relative_to(root)}: {p.stderr}"
