@@ -8,8 +8,14 @@ into a module of ``shim/`` from the relay's ``data_received`` for the kubelet's 
 call returns (the rewritten bytes are then written upstream), over every chunk the request came
 in. Generated protobuf modules are left out; consecutive calls inside one module are one visit.
 
-Reported: the modules in the order they are entered, the number of distinct modules, the moves
-(one visit to the next) and the returns (a move into a module visited before).
+Counted: every call from a function of one shim module into a function of another (a move; the
+caller is the nearest shim frame up the stack, so a call through the standard library or C code
+counts from the shim module that made it); a move into a module visited before is a return to a
+module already left (a callback into the caller, two halves of one class calling each other, a
+generator in another module resumed again). Calls inside one module are not moves. Reported:
+the moves in order, the distinct modules, the moves and the returns. ``--hook-as-one`` counts the
+rewrite hook (``container/rewriter.py`` and the policy code it calls, outside ``transport/``) as
+one module, to read the transport's part on its own.
 """
 from __future__ import annotations
 
@@ -33,21 +39,35 @@ def _module(filename: str) -> str | None:
     return filename[len(str(ROOT)) + 1:]
 
 
-def summarize(visits: list[str]) -> dict:
-    merged: list[str] = []
-    for m in visits:
-        if not merged or merged[-1] != m:
-            merged.append(m)
+HOOK = "shim/container/rewriter.py"
+
+
+def _hook_module(m: str) -> str:
+    return m if m.startswith("shim/transport/") else HOOK
+
+
+def summarize(moves: list, hook_as_one: bool = False) -> dict:
+    """The walk from its moves (caller module, called module), the first one (None, start)."""
+    walk: list[str] = []
+    returns: list[int] = []
     seen: set[str] = set()
-    returns = 0
-    for i, m in enumerate(merged):
-        if i and m in seen:
-            returns += 1
+    for caller, m in moves:
+        if hook_as_one:
+            caller = caller and _hook_module(caller)
+            m = _hook_module(m)
+            if caller == m:
+                continue
+        if walk and walk[-1] == m:
+            continue
+        if m in seen:
+            returns.append(len(walk))
+        walk.append(m)
         seen.add(m)
-    return {"walk": merged, "modules": len(seen), "moves": max(0, len(merged) - 1), "returns": returns}
+    return {"walk": walk, "modules": len(seen), "moves": max(0, len(walk) - 1), "returns": len(returns),
+            "returned_at": returns}
 
 
-def walk() -> dict:
+def walk(hook_as_one: bool = False) -> dict:
     from shim.app.service import build_container_qos
     from shim.container.chain import build_request_hooks
     from shim.cri import pb
@@ -74,30 +94,45 @@ def walk() -> dict:
             return [answer], "OK", ""
         return [pb.VersionResponse(version="0.1.0").SerializeToString()], "OK", ""
 
-    state = {"armed": False, "depth": 0, "visits": [], "rewritten": False, "done": False}
+    state = {"armed": False, "active": None, "moves": [], "rewritten": False, "done": False}
     relay_file = str(ROOT / "shim" / "transport" / "relay" / "aio.py")
 
+    def caller_module(frame) -> str | None:
+        f = frame.f_back
+        while f is not None:
+            m = _module(f.f_code.co_filename)
+            if m is not None:
+                return m
+            f = f.f_back
+        return None
+
     def profile(frame, event, arg):
-        if state["done"] or event != "call":
-            if event == "return" and state["depth"] and frame.f_code.co_name == "data_received" \
-                    and frame.f_code.co_filename == relay_file and frame.f_locals.get("self") is state["side"]:
-                state["depth"] = 0
+        if state["done"]:
+            return
+        code = frame.f_code
+        if event == "return":
+            if frame is state["active"]:
+                state["active"] = None
                 if state["rewritten"]:
                     state["done"] = True
             return
-        code = frame.f_code
-        if not state["depth"]:
+        if event != "call":
+            return
+        if state["active"] is None:
             if state["armed"] and code.co_name == "data_received" and code.co_filename == relay_file \
                     and type(frame.f_locals.get("self")).__name__ == "_ClientSide":
-                state["depth"] = 1
-                state["side"] = frame.f_locals["self"]
-            else:
-                return
+                state["active"] = frame
+                if not state["moves"]:
+                    state["moves"].append((None, _module(code.co_filename)))
+            return
         m = _module(code.co_filename)
-        if m is not None:
-            state["visits"].append(m)
-            if m == "shim/container/rewriter.py":
-                state["rewritten"] = True
+        if m is None:
+            return
+        if m == HOOK:
+            state["rewritten"] = True
+        caller = caller_module(frame)
+        if caller is not None and caller != m:
+            state["moves"].append((caller, m))
 
     async def main() -> dict:
         with tempfile.TemporaryDirectory(prefix="mqwalk-") as d:
@@ -123,7 +158,7 @@ def walk() -> dict:
             raise RuntimeError("the CreateContainer was not seen rewritten on the relay's thread")
         if request in seen_by_runtime:
             raise RuntimeError("the runtime got the kubelet's bytes unchanged: no rewrite happened")
-        return summarize(state["visits"])
+        return summarize(state["moves"], hook_as_one)
 
     return asyncio.run(main())
 
@@ -131,14 +166,16 @@ def walk() -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/call-walk", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--hook-as-one", action="store_true",
+                   help="count the rewrite hook and the policy code it calls as one module")
     args = p.parse_args(argv)
-    result = walk()
+    result = walk(args.hook_as_one)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     print("memqos-shim call-walk: a held CreateContainer, request side (data_received until its return)")
     for i, m in enumerate(result["walk"]):
-        print(f"{i:3d}  {m}")
+        print(f"{i:3d}  {m}{'   <- return' if i in result['returned_at'] else ''}")
     print(f"modules {result['modules']}, moves {result['moves']}, returns to a module already left {result['returns']}")
     return 0
 
