@@ -54,7 +54,7 @@ ERROR_NAMES = {0: "NO_ERROR", 1: "PROTOCOL_ERROR", 3: "FLOW_CONTROL_ERROR", 6: "
                9: "COMPRESSION_ERROR", 11: "ENHANCE_YOUR_CALM"}
 ROOT = Path(__file__).resolve().parents[2]
 
-# the relay alone, as `serve --transport relay` builds it, hooks that change nothing
+# the relay alone, as `serve` builds it, hooks that change nothing
 _SERVE = """
 import asyncio, sys
 from shim.cri.methods import CRI_METHODS
