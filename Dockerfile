@@ -1,7 +1,7 @@
 # Image that runs the shim: the NRI DaemonSet's (deploy/kubernetes), or in proxy mode a podman
 # container under systemd beside the kubelet (deploy/memqos-shim-podman.service, with every
 # mount it needs); docs/install.md, "The container image".
-# The runtime wheel only, without extras: no grpcio (the [grpc] extra), no test or bench code.
+# The runtime wheel only, without extras: no grpcio, no test or bench code.
 FROM python:3.11-slim AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -56,6 +56,20 @@ def test_serve_rejects_unknown_config_keys(tmp_path):
     assert r.returncode == 2 and "unknown settings ['factr']" in r.stderr
 
 
+@pytest.mark.parametrize("value", ["grpc", "relay"])
+def test_serve_refuses_a_transport_setting_naming_the_relay(tmp_path, value):
+    """The relay is the only transport: a config file that picks one is refused before anything
+    starts, with the reason (exit 2, like any setting the shim does not have)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"transport: {value}\nmax_concurrent_streams: 10\n")
+    r = shim("serve", "--config", str(cfg), "--listen", str(tmp_path / "s.sock"), check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "unknown settings ['max_concurrent_streams', 'transport']" in r.stderr
+    assert "transport: the HTTP/2 relay is the only transport" in r.stderr
+    assert "max_concurrent_streams: the relay's is h2-max-concurrent-streams" in r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
 def test_serve_rejects_bad_factor():
     r = shim("serve", "--factor", "1.5", check=False)
     assert r.returncode == 2 and "--factor" in r.stderr

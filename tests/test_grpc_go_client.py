@@ -8,7 +8,7 @@ no generated code) built once per session from Debian's Go sources
 (``apt-get install golang-go golang-google-grpc-dev``, see scripts/install-test-deps); without
 Go these tests skip, unless MEMQOS_REQUIRE_GO=1 (as .ci/run sets), which makes that a failure.
 
-Through the shim (relay, the default transport, and grpc for comparison), with grpc-go:
+Through the shim (the relay), with grpc-go:
 
 1. every request of the kubelet 1.23 trace (ids mapped) answers byte-identically to the same
    calls sent straight to an identical fake runtime (same codes, messages, bytes);
@@ -18,7 +18,7 @@ Through the shim (relay, the default transport, and grpc for comparison), with g
 4. a 20 MiB response, a 20 MiB request (above the relay's 16 MiB hold cap: passes unchanged) and
    a 12 MiB one (held and rewritten);
 5. a server stream arrives whole and in order; a 40 KiB header block (HEADERS + CONTINUATION)
-   passes the relay (the grpc transport's grpcio server refuses metadata above 8 KiB);
+   passes the relay;
 6. an error's code, message and binary details pass through;
 and a deadline cancels the runtime's call, and the connections recover after a runtime restart
 (the relay bugs this found: an idle refused connection kept refusing after the runtime was back;
@@ -63,7 +63,6 @@ GO_SOURCE = HERE / "grpcgo" / "main.go"
 GOPATH = "/usr/share/gocode"
 TRACE = trace_file(MEMQOS_OFF)
 MI = 2**20
-TRANSPORTS = ["relay", "grpc"]
 
 RS = "/runtime.v1.RuntimeService/"
 VERSION = RS + "Version"
@@ -247,20 +246,18 @@ def received_unified(runtime, cid: str) -> dict:
 
 
 class Stack:
-    """The fake runtime, `memqos-shim serve --transport T` in front of it, and grpc-go clients
+    """The fake runtime, `memqos-shim serve` in front of it, and grpc-go clients
     through the shim (``go``) and straight to the runtime (``direct``)."""
 
-    def __init__(self, binary: Path, transport: str, upstream_server=None, *, cgroup_v2: bool = True):
+    def __init__(self, binary: Path, upstream_server=None, *, cgroup_v2: bool = True):
         self.binary = binary
-        self.transport = transport
         self.base = short_dir()
         self.server = upstream_server or FakeRuntimeServer(self.base / "runtime.sock")
         if isinstance(self.server, FakeRuntimeServer):
             self.server.start()
             self.runtime = self.server.runtime
         self.upstream_path = self.server.path
-        self.shim = Shim(self.base, "unix://" + self.upstream_path, cgroup_v2=cgroup_v2,
-                         extra=("--transport", transport))
+        self.shim = Shim(self.base, "unix://" + self.upstream_path, cgroup_v2=cgroup_v2)
         self.shim_path = str(self.shim.sock)
         self.clients: list[GoClient] = []
         self.go = self.client()
@@ -279,9 +276,9 @@ class Stack:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def stack(request, grpcgo):
-    s = Stack(grpcgo, request.param)
+@pytest.fixture(scope="module")
+def stack(grpcgo):
+    s = Stack(grpcgo)
     try:
         yield s
     finally:
@@ -323,8 +320,7 @@ def _replay(go: GoClient, calls: list[dict], clock: list[int], creates: list[byt
     return out
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_kubelet_trace_answers_like_the_runtime(grpcgo, monkeypatch, transport):
+def test_kubelet_trace_answers_like_the_runtime(grpcgo, monkeypatch):
     """Every kubelet request of the trace, through the shim, gets the answer the runtime gives
     the same call directly. Two identical fake runtimes (ids and clock made deterministic): one
     behind the shim, one called directly with the requests exactly as the shim forwarded them
@@ -335,7 +331,7 @@ def test_kubelet_trace_answers_like_the_runtime(grpcgo, monkeypatch, transport):
     monkeypatch.setattr(fake_runtime_records, "generate_id", lambda: hashlib.sha256(b"%d" % next(serial)).hexdigest())
     monkeypatch.setattr(fake_runtime_records, "now_ns", lambda: clock[0])
 
-    s = Stack(grpcgo, transport)
+    s = Stack(grpcgo)
     try:
         through = _replay(s.go, calls, clock)
         forwarded = list(s.runtime.received_create_requests)
@@ -421,7 +417,7 @@ def test_64_concurrent_callers(stack):
     answer exactly like the runtime does; 128 concurrent CreateContainer calls into three pods
     (one per QoS class) are each rewritten for their own container."""
     go, runtime = stack.go, stack.runtime
-    tag = f"conc-{stack.transport}"
+    tag = "conc"
     names = [f"c{i}" for i in range(128)]
     sizes = {n: ((i % 7) + 1) * 32 * MI for i, n in enumerate(names)}  # request; limit 2x (0 for every 3rd)
     pods = {
@@ -478,7 +474,7 @@ def test_20mib_response(stack):
     """A 20 MiB ExecSync answer: identical through the shim and direct with the client's limit
     raised; with the kubelet's 16 MiB limit, the same RESOURCE_EXHAUSTED either way."""
     go, runtime = stack.go, stack.runtime
-    sid, sb = run_pod(go, f"big-{stack.transport}", "besteffort")
+    sid, sb = run_pod(go, "big", "besteffort")
     cid = container_id(go.call(CREATE_CONTAINER, create_request(sid, sb, "main", "besteffort", 0, 0)))
     assert go.call(START_CONTAINER, pb.StartContainerRequest(container_id=cid).SerializeToString()).ok
     stdout = os.urandom(20 * MI)
@@ -505,16 +501,16 @@ def test_20mib_response(stack):
 def test_large_create_container(stack, pad_mib):
     """A CreateContainer padded with an unknown field to 12 or 20 MiB: below the relay's 16 MiB
     hold cap it is held and rewritten (the padding kept); above it the relay forwards it
-    unchanged (fail-open) -- the grpc transport, which has no cap, rewrites it too."""
+    unchanged (fail-open)."""
     go_big = stack.client(max_send=32 * MI)
     runtime = stack.runtime
-    sid, sb = run_pod(go_big, f"pad{pad_mib}-{stack.transport}", "guaranteed")
+    sid, sb = run_pod(go_big, f"pad{pad_mib}", "guaranteed")
     pad = length_delimited(1000, os.urandom(pad_mib * MI))
     sent = create_request(sid, sb, "main", "guaranteed", 256 * MI, 256 * MI) + pad
     cid = container_id(go_big.call(CREATE_CONTAINER, sent, timeout=30))
     received = runtime.container(cid).create_request_bytes
     assert pad in received
-    if stack.transport == "relay" and pad_mib > 16:
+    if pad_mib > 16:
         assert received == sent
     else:
         assert received_unified(runtime, cid) == expected_unified("guaranteed", 256 * MI, 256 * MI)
@@ -555,11 +551,11 @@ class EchoServer:
         self.loop.close()
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def echo_stack(request, grpcgo):
+@pytest.fixture(scope="module")
+def echo_stack(grpcgo):
     base = short_dir()
     server = EchoServer(str(base / "echo.sock"))
-    s = Stack(grpcgo, request.param, server)
+    s = Stack(grpcgo, server)
     try:
         yield s
     finally:
@@ -609,8 +605,6 @@ def test_stream_error_after_messages_and_error_details(echo_stack):
 def test_large_header_block_in_continuation_frames(echo_stack):
     """40 KiB of request metadata: grpc-go sends the header block as HEADERS + CONTINUATION
     frames; the call and the HPACK state after it are fine."""
-    if echo_stack.transport == "grpc":
-        pytest.skip("the grpc transport's grpcio server refuses request metadata above 8 KiB (its default)")
     echo = echo_stack.server.echo
     value = "v" * (40 * 1024)
     r = echo_stack.go.call(VERSION, b"\n\x01a", metadata={"x-big": value})
@@ -638,7 +632,7 @@ def test_deadline_cancels_the_runtime_call(stack):
     RST_STREAM cancels the runtime's call: DEADLINE_EXCEEDED as when calling directly, audited
     as DEADLINE_EXCEEDED for a held CreateContainer."""
     go, runtime = stack.go, stack.runtime
-    name = f"slow-{stack.transport}"
+    name = "slow"
     sid, sb = run_pod(go, name, "guaranteed")
     runtime.delays["CreateContainer"] = 2.0
     try:

@@ -79,13 +79,13 @@ def create(shim: Shim, runtime, uid: str, name: str):
 
 # -- (a) serve in observe: no byte changed on the wire, no cgroup file written -----------------------
 
-@pytest.mark.parametrize("mode, transport", [("observe", "relay"), ("enforce", "relay"), ("observe", "grpc")])
-def test_observe_changes_no_byte_on_the_wire_and_writes_no_cgroup_file(mode, transport):
+@pytest.mark.parametrize("mode", ["observe", "enforce"])
+def test_observe_changes_no_byte_on_the_wire_and_writes_no_cgroup_file(mode):
     base = short_dir()
     tree = FakeCgroupTree(base / "cgroup")
     tree.make_pod("burstable", UID)
     with FakeRuntimeServer(base / "runtime.sock") as server:
-        shim = Shim(base, server.address, extra=("--mode", mode, "--transport", transport, "--resync-interval", "3600"))
+        shim = Shim(base, server.address, extra=("--mode", mode, "--resync-interval", "3600"))
         try:
             serving(shim)
             before = files_of(tree.root)

@@ -23,7 +23,7 @@ from shim.node.reconciler import Reconciler
 from shim.tools.trace_runtime import TraceRuntime
 from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
 from shim.tools.replay import drive, replay_settings
-from shim.transport.proxy import CriProxy
+from shim.transport.relay import RelayProxy
 from tests.reconciler_support import FakeCgroupTree
 from tests.test_protection_node import OwnWrites, Watch
 from tests.test_reconciler_traces import kubelet_cgroups
@@ -94,7 +94,7 @@ def replay_sampled(tmp_path: Path, name: str, kubelet_writes: bool) -> Watch:
     async def run():
         runtime = TraceRuntime(trace.calls)
         await runtime.start(str(tmp_path / "runtime.sock"))
-        proxy = CriProxy("unix://" + str(tmp_path / "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
+        proxy = RelayProxy("unix://" + str(tmp_path / "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
         await proxy.start()
         try:
             return await drive("unix://" + proxy.listen_path, trace.in_start_order(), before=before)

@@ -29,7 +29,7 @@ from shim.tools.replay import drive, replay_settings
 from shim.app.service import build_container_qos
 from shim.container.chain import build_request_hooks
 from shim.tools.trace_runtime import TraceRuntime
-from shim.transport.proxy import CriProxy
+from shim.transport.relay import RelayProxy
 from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, data_file, trace_file
 from tests.reconciler_support import FakeCgroupTree
 
@@ -101,7 +101,7 @@ def replay_through_proxy(tmp_path: Path, trace_path: Path):
     async def run():
         runtime = TraceRuntime(trace.calls)
         await runtime.start(str(tmp_path / "runtime.sock"))
-        proxy = CriProxy("unix://" + str(tmp_path / "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
+        proxy = RelayProxy("unix://" + str(tmp_path / "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
         await proxy.start()
         try:
             outcomes = await drive("unix://" + proxy.listen_path, trace.in_start_order(), before=before)

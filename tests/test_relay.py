@@ -2,8 +2,8 @@
 (tests/test_transport.py runs every passthrough and hook test on it too): byte identity of
 what it forwards, held and rewritten requests near the size cap and beyond it, flow control
 with many held streams, frames split across reads, CONTINUATION and padding from a raw HTTP/2
-client, the runtime going away, uvloop in a thread, and kubelet traces replayed through it with
-the same results as through the grpcio transport."""
+client, the runtime going away, and uvloop in a thread (tests/test_replay.py replays the kubelet
+traces through it)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +20,6 @@ from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RES
 from shim.transport.hooks import RpcCall
 from shim.transport.wire.h2 import frame as _frame
 from shim.transport.relay import PREFACE, RelayProxy
-from memqos_dev.testing.traces import MEMQOS_OFF, MEMQOS_ON, SMOKE, trace_file
 
 try:
     from tests.upstream_echo import EchoUpstream, length_delimited, response_bytes
@@ -655,28 +654,3 @@ def test_threaded_relay_on_uvloop(loop, base):
     assert resp == response_bytes(CREATE_CONTAINER, added(CREATE_CONTAINER, b"\n\x01x"))
     assert [c.method for c in hooks.finished_calls] == [CREATE_CONTAINER]
     assert not os.path.exists(f"{base}/shim.sock")
-
-
-# ------------------------------------------------------------------------------------ kubelet traces
-
-
-@pytest.mark.parametrize("name", [MEMQOS_OFF, MEMQOS_ON, SMOKE])
-def test_kubelet_trace_replays_identically_through_both_transports(name):
-    """`memqos-shim replay` drives the trace through the real request path; swapping the
-    transport under it must change nothing: no replay problem, the same audit records, the
-    same bytes at the runtime."""
-    path = str(trace_file(name))
-    from shim.tools.replay import replay, replay_settings
-    from shim.evidence.trace import read_trace
-
-    trace = read_trace(path)
-    settings = replay_settings(trace.header)
-    results = {}
-    for transport in ("grpc", "relay"):
-        results[transport] = replay(trace, settings, transport=transport)
-    grpc_r, relay_r = results["grpc"], results["relay"]
-    assert grpc_r.problems == [] and relay_r.problems == []
-    assert relay_r.calls == grpc_r.calls == len(trace.calls)
-    assert relay_r.records == grpc_r.records
-    assert relay_r.forwarded == grpc_r.forwarded
-    assert relay_r.matched_by == grpc_r.matched_by

@@ -102,7 +102,7 @@ def test_the_expected_rewrite_is_what_serve_sends():
 
 def test_probes_are_run_when_the_tree_has_them(monkeypatch, tmp_path, capsys):
     stack = types.SimpleNamespace(shim_sock=tmp_path / "shim.sock", runtime_sock=tmp_path / "rt.sock",
-                                  shim=types.SimpleNamespace(pid=4242), transport="relay")
+                                  shim=types.SimpleNamespace(pid=4242))
     monkeypatch.setattr(soak_main, "PROBES_MODULE", "soak_test_no_such_probes")
     assert soak_main.run_probes(stack)
     assert "h2 limit probes: not available in this tree" in capsys.readouterr().out

@@ -1,8 +1,8 @@
 """The transport, end to end: a real proxy on a real unix socket, in front of a real
 grpc.aio upstream (tests/upstream_echo.py), called by a real grpc.aio client with raw bytes.
 
-Every test runs against both transports (the ``transport`` fixture): the grpcio one
-(``CriProxy``) and the HTTP/2 relay (``RelayProxy``); ``Proxy(...)`` builds the current one.
+The transport is the HTTP/2 relay (``RelayProxy``); ``Proxy(...)`` builds it with the CRI
+method table.
 
 No pytest-asyncio: one event loop per module, each test runs its coroutine on it.
 """
@@ -17,14 +17,12 @@ import time
 import grpc
 import pytest
 
-from shim.transport import proxy as proxy_module
-from shim.transport.endpoints import grpc_target, socket_path
+from shim.transport.endpoints import socket_path
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS, UPDATE_CONTAINER_RESOURCES
 from shim.transport.hooks import RpcCall
 
 REWRITTEN_METHODS = ContainerMemoryQoS.held_methods
-from shim.transport.proxy import CriProxy
 from shim.transport.relay import RelayProxy
 
 try:
@@ -43,21 +41,10 @@ MiB = 1024 * 1024
 
 # ---------------------------------------------------------------------------- harness
 
-TRANSPORTS = {"grpc": CriProxy, "relay": RelayProxy}
-_current = ["grpc"]
-
-
-@pytest.fixture(params=sorted(TRANSPORTS), autouse=True)
-def transport(request):
-    """Run every test of this module once per transport."""
-    _current[0] = request.param
-    yield request.param
-
-
 def Proxy(*args, **kw):
-    """The transport under test, constructed like CriProxy (with the CRI method table)."""
+    """The transport under test, with the CRI method table."""
     kw.setdefault("methods", CRI_METHODS)
-    return TRANSPORTS[_current[0]](*args, **kw)
+    return RelayProxy(*args, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +131,7 @@ class Stack:
 
 
 @pytest.fixture
-def stack(loop, tmp_path, transport):
+def stack(loop, tmp_path):
     s = Stack(tmp_path)
     run(loop, s.start())
     yield s
@@ -174,8 +161,6 @@ def test_endpoint_forms():
     assert socket_path("unix:///run/containerd/containerd.sock") == "/run/containerd/containerd.sock"
     assert socket_path("/run/containerd/containerd.sock") == "/run/containerd/containerd.sock"
     assert socket_path("unix:/run/x.sock") == "/run/x.sock"
-    assert grpc_target("/run/x.sock") == "unix:///run/x.sock"
-    assert grpc_target("unix:///run/x.sock") == "unix:///run/x.sock"
     for bad in ("tcp://127.0.0.1:1234", "npipe:////./pipe/containerd", "http://x/y", "unix://host/x.sock",
                 "x.sock", "", "unix:///", "/" + "a" * 200):
         with pytest.raises(ValueError):
@@ -375,14 +360,12 @@ def test_deadline_is_propagated_and_never_extended(loop, stack):
         assert p.deadline is not None, "no deadline reached the upstream"
         direct_extra = d.deadline - (sent[b"direct", t] + t)
         proxied_extra = p.deadline - (sent[b"proxied", t] + t)
-        limit = direct_extra + 0.03
-        if _current[0] == "relay":
-            # The relay forwards the client's grpc-timeout header byte for byte (tests/
-            # test_relay.py compares the bytes), so the upstream's deadline is exactly the one
-            # the client's own encoding gives: one sample of what a direct call gives. The
-            # client rounds up by one step of its 3-significant-digit encoding on some calls
-            # (its clock reads stale) and not on others, so the bound is that step.
-            limit = max(limit, _client_rounding_step(t) + 0.03)
+        # The relay forwards the client's grpc-timeout header byte for byte (tests/
+        # test_relay.py compares the bytes), so the upstream's deadline is exactly the one the
+        # client's own encoding gives: one sample of what a direct call gives. The client
+        # rounds up by one step of its 3-significant-digit encoding on some calls (its clock
+        # reads stale) and not on others, so the bound is that step.
+        limit = max(direct_extra + 0.03, _client_rounding_step(t) + 0.03)
         assert proxied_extra <= limit, (
             f"timeout {t}: the upstream's deadline is {proxied_extra:+.3f} s from the client's "
             f"through the proxy, {direct_extra:+.3f} s directly")

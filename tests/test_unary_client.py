@@ -1,9 +1,13 @@
 """shim.transport.unary_client (the reconciler's runtime client) against real grpcio servers on
 unix sockets: answers byte-identical to a grpcio client's, status codes and details, deadlines,
-large answers, the connection window given back, a runtime that goes away and comes back.
+large answers, the connection window given back, a runtime that goes away and comes back; and
+against raw HTTP/2 answers: its bounds on header blocks, answers without a usable status.
 (The reconciler's own tests drive it against the fake runtime, and the VM suite against
 containerd.)"""
 from __future__ import annotations
+
+import socket
+import threading
 
 import grpc
 import pytest
@@ -12,6 +16,10 @@ from shim.cri import pb
 from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 from shim.node.runtime_client import RuntimeClient, RuntimeUnavailable
 from shim.transport.unary_client import CallError, UnaryClient
+from shim.transport.wire.grpc import message, request_headers
+from shim.transport.wire.h2 import (CONTINUATION, DATA, END_HEADERS, END_STREAM, ERR_REFUSED_STREAM, HEADERS, SETTINGS,
+                                    frame, rst_stream)
+from shim.transport.wire.hpack import Decoder, literal
 
 try:
     from tests.test_grpc_go_client import EchoServer
@@ -147,3 +155,113 @@ def test_runtime_restarted_between_calls_is_invisible():
     finally:
         server.stop()
         rc.close()
+
+
+class RawRuntime:
+    """A runtime that answers the first connection with ``reply`` (raw HTTP/2 bytes after its
+    SETTINGS) and then waits for the client to close; ``send_failed``: the client closed before
+    it took all of ``reply``."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.path = str(short_dir() / "raw.sock")
+        self.reply = frame(SETTINGS, 0, 0) + reply
+        self.send_failed = False
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        c, _ = self.sock.accept()
+        with c:
+            c.settimeout(30)
+            try:
+                c.recv(65536)
+                c.sendall(self.reply)
+            except OSError:
+                self.send_failed = True
+                return
+            try:
+                while c.recv(65536):
+                    pass
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(30)
+
+
+def test_a_header_block_past_the_bound_is_refused_before_it_is_read_whole():
+    """HEADERS and 8 MiB of CONTINUATION frames that never end the block: past the 1 MiB bound
+    (the default) the call fails with RESOURCE_EXHAUSTED and the connection is closed, so the
+    runtime cannot send the rest; the deadline is not what ends it."""
+    flood = frame(HEADERS, 0, 1, b"\x88") + frame(CONTINUATION, 0, 1, bytes(16384)) * 512
+    runtime = RawRuntime(flood)
+    c = UnaryClient("unix://" + runtime.path)
+    try:
+        with pytest.raises(CallError) as e:
+            c.call(VERSION, b"", 60)
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "header block of more than 1048576 bytes" in e.value.details
+    finally:
+        c.close()
+        runtime.close()
+    assert runtime.send_failed
+
+
+def test_a_header_list_past_the_bound_once_decoded_is_refused():
+    """A 4 KB block that decodes to 1.2 MB (one large field added to the HPACK table, then
+    referenced 300 times): past the decoded bound (1 MiB by default, advertised as
+    SETTINGS_MAX_HEADER_LIST_SIZE) the call fails with RESOURCE_EXHAUSTED."""
+    bomb = b"\x40\x05x-big" + _hpack_length(4000) + b"v" * 4000 + b"\xbe" * 300
+    runtime = RawRuntime(frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\x88" + bomb))
+    c = UnaryClient("unix://" + runtime.path)
+    try:
+        with pytest.raises(CallError) as e:
+            c.call(VERSION, b"", 60)
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "header list above 1048576 bytes" in e.value.details
+    finally:
+        c.close()
+        runtime.close()
+
+
+def _hpack_length(n: int) -> bytes:
+    """An HPACK string length (7-bit prefix, no Huffman)."""
+    if n < 127:
+        return bytes((n,))
+    out, n = bytearray((127,)), n - 127
+    while n >= 128:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    return bytes(out + bytes((n,)))
+
+
+@pytest.mark.parametrize("reply, code, details", [
+    # no grpc-status: grpc's mapping of the HTTP status, as the relay gives it (wire.grpc.ended_status)
+    (frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\x8d"), "UNIMPLEMENTED", "HTTP status 404 from the runtime"),
+    (frame(HEADERS, END_HEADERS, 1, b"\x88") + frame(DATA, END_STREAM, 1, message(b"abc")), "UNKNOWN",
+     "the runtime's answer has no grpc-status"),
+    # a message cut short before OK trailers
+    (frame(HEADERS, END_HEADERS, 1, b"\x88") + frame(DATA, 0, 1, message(b"abc")[:-1])
+     + frame(HEADERS, END_HEADERS | END_STREAM, 1, literal(b"grpc-status", b"0")), "INTERNAL",
+     f"{VERSION}: a truncated message in the answer"),
+    (rst_stream(1, ERR_REFUSED_STREAM), "UNAVAILABLE", f"{VERSION}: stream reset by the runtime (HTTP/2 error code 7)"),
+])
+def test_answers_without_a_usable_status(reply, code, details):
+    runtime = RawRuntime(reply)
+    c = UnaryClient("unix://" + runtime.path)
+    try:
+        with pytest.raises(CallError) as e:
+            c.call(VERSION, b"", 10)
+        assert (e.value.code, e.value.details) == (code, details)
+    finally:
+        c.close()
+        runtime.close()
+
+
+def test_the_request_header_block():
+    block = request_headers(VERSION.encode(), 1.5, (("X-Seq", "7"),))
+    assert Decoder().decode(block) == [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", VERSION.encode()), (b":authority", b"localhost"),
+        (b"content-type", b"application/grpc"), (b"te", b"trailers"), (b"grpc-timeout", b"1500m"), (b"x-seq", b"7")]

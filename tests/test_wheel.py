@@ -96,7 +96,7 @@ def test_the_wheel_holds_the_runtime_package_only(installed):
     requires = [line for line in zipfile.ZipFile(installed.wheel).read(metadata).decode().splitlines()
                 if line.startswith("Requires-Dist:")]
     grpc = [r for r in requires if "grpcio" in r]
-    assert grpc and all("extra ==" in r for r in grpc)  # only through an extra
+    assert grpc and all('extra == "test"' in r for r in grpc)  # the tests' only
 
 
 def test_neither_grpcio_nor_the_checkout_is_importable(installed):
@@ -144,11 +144,13 @@ def test_replay_runs_a_recorded_trace(installed):
     assert "Traceback" not in p.stderr
 
 
-def test_the_grpc_transport_names_its_extra(installed):
-    p = installed.run("serve", "--transport", "grpc", "--listen", str(installed.home / "g.sock"),
+def test_a_config_file_asking_for_the_grpc_transport_is_refused_clearly(installed):
+    config = installed.home / "grpc.yaml"
+    config.write_text("transport: grpc\n")
+    p = installed.run("serve", "--config", str(config), "--listen", str(installed.home / "g.sock"),
                       "--upstream", str(installed.home / "rt.sock"))
     assert p.returncode == 2
-    assert "pip install 'memqos-shim[grpc]'" in p.stderr and "Traceback" not in p.stderr
+    assert "the HTTP/2 relay is the only transport" in p.stderr and "Traceback" not in p.stderr
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, what: str) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from shim.transport.wire.grpc import request_headers
 from shim.transport.wire.h2 import (
     ACK,
     DATA,
@@ -29,7 +30,6 @@ from shim.transport.wire.h2 import (
     SETTINGS,
     frame,
 )
-from shim.transport.wire.hpack import literal
 
 NAMES = {DATA: "DATA", HEADERS: "HEADERS", RST_STREAM: "RST_STREAM", SETTINGS: "SETTINGS", PING: "PING",
          GOAWAY: "GOAWAY", 8: "WINDOW_UPDATE"}
@@ -43,16 +43,10 @@ class StormResult:
     seconds: float = 0.0
 
 
-def _block(method: str) -> bytes:
-    return (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", method.encode())
-            + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
-            + literal(b"te", b"trailers"))
-
-
 def reset_storm(path: str, pairs: int, method: str = "/runtime.v1.RuntimeService/Version", *,
                 with_data: bool = True, batch: int = 200, timeout: float = 60.0) -> StormResult:
     result = StormResult()
-    block = _block(method)
+    block = request_headers(method.encode())
     empty_message = b"\x00" * 5
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)

@@ -1,7 +1,7 @@
 """A/B of two versions of the shim in one run (``scripts/bench-ab REF_A REF_B``).
 
 Each git ref is checked out into a temporary worktree and served by its own ``memqos-shim
-serve --transport relay`` process in front of one shared fake runtime (``memqos_dev.tools.bench
+serve`` process in front of one shared fake runtime (``memqos_dev.tools.bench
 upstream``); the client alternates every call between direct, A and B, so the machine's drift
 hits all three alike. Reported per block, then as medians over the blocks, added over direct:
 small call p50, a 200 KB answer (ExecSync), a CreateContainer that is rewritten, a passthrough

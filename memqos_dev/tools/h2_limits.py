@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from shim.transport.wire.grpc import request_headers
 from shim.transport.wire.h2 import (
     CONTINUATION,
     DATA,
@@ -46,7 +47,6 @@ from shim.transport.wire.h2 import (
     rst_stream,
     window_update,
 )
-from shim.transport.wire.hpack import literal
 
 ATTACKS = ("continuation", "oversize", "window-overflow", "beyond-window", "rapid-reset")
 VERSION = "/runtime.v1.RuntimeService/Version"
@@ -54,7 +54,7 @@ ERROR_NAMES = {0: "NO_ERROR", 1: "PROTOCOL_ERROR", 3: "FLOW_CONTROL_ERROR", 6: "
                9: "COMPRESSION_ERROR", 11: "ENHANCE_YOUR_CALM"}
 ROOT = Path(__file__).resolve().parents[2]
 
-# the relay alone, as `serve --transport relay` builds it, hooks that change nothing
+# the relay alone, as `serve` builds it, hooks that change nothing
 _SERVE = """
 import asyncio, sys
 from shim.cri.methods import CRI_METHODS
@@ -83,9 +83,7 @@ asyncio.run(main())
 
 def request_block(path: str = VERSION) -> bytes:
     """A gRPC request's header block in literals (no HPACK table state)."""
-    return b"".join(literal(n, v) for n, v in ((b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
-                                               (b":authority", b"localhost"), (b"content-type", b"application/grpc"),
-                                               (b"te", b"trailers")))
+    return request_headers(path.encode())
 
 
 def attack_chunks(kind: str):

@@ -1,6 +1,6 @@
 """``scripts/reset-storm``: the resident memory of ``memqos-shim serve`` through rapid-reset storms
-(HEADERS + RST_STREAM pairs on one connection, CVE-2023-44487), each transport of this tree side
-by side with the grpc transport of a baseline git ref, in one run.
+(HEADERS + RST_STREAM pairs on one connection, CVE-2023-44487), this tree's relay side by side
+with the relay of a baseline git ref, in one run.
 
 Every shim is measured the same way: RSS after one call (before), after each round of ``pairs``
 streams opened and reset on a fresh connection that is then closed, and ``settle`` seconds
@@ -82,7 +82,7 @@ def render(results: dict, rounds: int, pairs: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/reset-storm", description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", default="main", metavar="REF",
-                   help="git ref whose grpc transport is measured beside this tree's ('none': skip)")
+                   help="git ref whose relay is measured beside this tree's ('none': skip)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--pairs", type=int, default=20000)
     p.add_argument("--settle", type=float, default=3.0, help="seconds after the last round")
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="mqrs-"))
     sources = {}
     if args.baseline != "none":
-        sources[f"grpc@{args.baseline}"] = ("grpc", export(args.baseline, work))
-    sources["grpc"] = ("grpc", REPO)
+        sources[f"relay@{args.baseline}"] = ("relay", export(args.baseline, work))
     sources["relay"] = ("relay", REPO)
     procs = Processes(list(sources), sources)
     try:

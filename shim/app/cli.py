@@ -12,7 +12,6 @@ from typing import Callable
 
 from shim import __version__
 from shim.app.config import OPTIONS, ConfigError, add_arguments, file_only_note, resolve
-from shim.transport.grpc_extra import grpc_missing
 
 log = logging.getLogger("memqos-shim")
 
@@ -23,9 +22,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = resolve(args)
     except ConfigError as e:
         print(f"memqos-shim: {e}", file=sys.stderr)
-        return 2
-    if cfg.transport == "grpc" and (missing := grpc_missing("--transport grpc")):
-        print(f"memqos-shim: {missing}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),

@@ -160,16 +160,6 @@ def _guard_action(v: Any) -> str:
     return t
 
 
-TRANSPORTS = ("grpc", "relay")
-
-
-def _transport(v: Any) -> str:
-    t = str(v).strip().lower()
-    if t not in TRANSPORTS:
-        raise ConfigError(f"transport must be one of {list(TRANSPORTS)}, not {v!r}")
-    return t
-
-
 SYSTEMD_WRITES = ("auto", "dbus", "cgroupfs")
 
 
@@ -303,20 +293,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("page-size", "int | None", None, _positive_int,
            "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
-    Option("transport", "str", "relay", _transport,
-           "how calls are relayed: relay (an HTTP/2 connection relay that decodes headers and holds only "
-           "CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a grpcio server and "
-           "channel per call; about +0.6 ms; needs the [grpc] extra: pip install 'memqos-shim[grpc]')"),
     Option("max-connections", "int", 128, _positive_int,
-           "kubelet connections the relay serves at once (--transport relay; the kubelet keeps one or two, "
+           "kubelet connections the relay serves at once (the kubelet keeps one or two, "
            "crictl and doctor add one each while they run); a connection beyond it is sent GOAWAY and closed at "
            "once, the open ones are served", "N", where=FILE),
-    Option("max-concurrent-rpcs", "int", 1000, _positive_int,
-           "calls the grpc transport serves at once over all connections (--transport grpc); a call beyond it "
-           "is answered RESOURCE_EXHAUSTED", "N", where=FILE),
-    Option("max-concurrent-streams", "int", 1000, _positive_int,
-           "streams one kubelet connection may have open at once (--transport grpc; HTTP/2 "
-           "SETTINGS_MAX_CONCURRENT_STREAMS)", "N", where=FILE),
     Option("socket-mode", "int | None", None, _octal_mode,
            "socket mode (octal); default 0600, or 0660 with --socket-group", where=FILE),
     Option("h2-max-header-block", "int", 1024 * 1024, _quantity,
@@ -478,6 +458,14 @@ def add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...] =
                             help=option_help(o) if listed else argparse.SUPPRESS)
 
 
+# names a config file may carry that are not settings, with what to say about them
+NOT_SETTINGS = {
+    "transport": "the HTTP/2 relay is the only transport (remove the line)",
+    "max-concurrent-rpcs": "the relay has no per-call cap; its limits are max-connections and the h2-* settings",
+    "max-concurrent-streams": "the relay's is h2-max-concurrent-streams",
+}
+
+
 def load_file(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -492,7 +480,9 @@ def load_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: expected a map of settings")
     unknown = sorted(k for k in doc if k not in _BY_KEY)
     if unknown:
-        raise ConfigError(f"config file {path}: unknown settings {unknown}; known: {[o.name for o in OPTIONS]}")
+        hints = "".join(f"; {k}: {NOT_SETTINGS[str(k).replace('_', '-')]}" for k in unknown
+                        if str(k).replace("_", "-") in NOT_SETTINGS)
+        raise ConfigError(f"config file {path}: unknown settings {unknown}{hints}; known: {[o.name for o in OPTIONS]}")
     return {_BY_KEY[k].name: v for k, v in doc.items()}
 
 

@@ -209,31 +209,23 @@ class Service:
 
     async def start(self) -> None:
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)
-        if self.cfg.transport == "relay":
-            from shim.transport.loop_thread import ThreadedProxy, uvloop_factory
-            from shim.transport.relay import H2Limits, RelayProxy
+        from shim.transport.loop_thread import ThreadedProxy, uvloop_factory
+        from shim.transport.relay import H2Limits, RelayProxy
 
-            cfg = self.cfg
-            limits = H2Limits(max_header_block=cfg.h2_max_header_block, max_continuations=cfg.h2_max_continuations,
-                              max_frame_size=cfg.h2_max_frame_size,
-                              max_concurrent_streams=cfg.h2_max_concurrent_streams, reset_rate=cfg.h2_reset_rate,
-                              reset_burst=cfg.h2_reset_burst, preface_timeout=cfg.h2_preface_timeout,
-                              idle_timeout=cfg.h2_idle_timeout)
-            self.proxy = RelayProxy(cfg.listen, cfg.upstream, self.hooks, methods=CRI_METHODS,
-                                    socket_mode=mode, socket_group=cfg.socket_group, limits=limits,
-                                    max_connections=cfg.max_connections)
-            if self.metrics is not None:
-                self.metrics.attach(relay=self.proxy)  # its limit_hits
-            factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop
-            if factory is not None:
-                self.proxy = ThreadedProxy(self.proxy, factory, name="cri-relay")
-        else:
-            from shim.transport.proxy import CriProxy
-
-            self.proxy = CriProxy(self.cfg.listen, self.cfg.upstream, self.hooks, methods=CRI_METHODS,
-                                  socket_mode=mode, socket_group=self.cfg.socket_group,
-                                  max_concurrent_rpcs=self.cfg.max_concurrent_rpcs,
-                                  max_concurrent_streams=self.cfg.max_concurrent_streams)
+        cfg = self.cfg
+        limits = H2Limits(max_header_block=cfg.h2_max_header_block, max_continuations=cfg.h2_max_continuations,
+                          max_frame_size=cfg.h2_max_frame_size,
+                          max_concurrent_streams=cfg.h2_max_concurrent_streams, reset_rate=cfg.h2_reset_rate,
+                          reset_burst=cfg.h2_reset_burst, preface_timeout=cfg.h2_preface_timeout,
+                          idle_timeout=cfg.h2_idle_timeout)
+        self.proxy = RelayProxy(cfg.listen, cfg.upstream, self.hooks, methods=CRI_METHODS,
+                                socket_mode=mode, socket_group=cfg.socket_group, limits=limits,
+                                max_connections=cfg.max_connections)
+        if self.metrics is not None:
+            self.metrics.attach(relay=self.proxy)  # its limit_hits
+        factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop
+        if factory is not None:
+            self.proxy = ThreadedProxy(self.proxy, factory, name="cri-relay")
         if self.metrics is not None:
             self.metrics.attach(transport=self.proxy)
         await self.proxy.start()  # the transport says where it serves and forwards to

@@ -67,21 +67,10 @@ class Config:
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)
     socket_group: str | None = None
-    #: --transport: how calls are relayed: relay (an HTTP/2 connection relay that decodes headers
-    #: and holds only CreateContainer/UpdateContainerResources; about +0.1 ms per call) or grpc (a
-    #: grpcio server and channel per call; about +0.6 ms; needs the [grpc] extra: pip install
-    #: 'memqos-shim[grpc]')
-    transport: str = "relay"
-    #: max-connections (config file only): kubelet connections the relay serves at once (--transport
-    #: relay; the kubelet keeps one or two, crictl and doctor add one each while they run); a
-    #: connection beyond it is sent GOAWAY and closed at once, the open ones are served
+    #: max-connections (config file only): kubelet connections the relay serves at once (the kubelet
+    #: keeps one or two, crictl and doctor add one each while they run); a connection beyond it is
+    #: sent GOAWAY and closed at once, the open ones are served
     max_connections: int = 128
-    #: max-concurrent-rpcs (config file only): calls the grpc transport serves at once over all
-    #: connections (--transport grpc); a call beyond it is answered RESOURCE_EXHAUSTED
-    max_concurrent_rpcs: int = 1000
-    #: max-concurrent-streams (config file only): streams one kubelet connection may have open at
-    #: once (--transport grpc; HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)
-    max_concurrent_streams: int = 1000
     #: socket-mode (config file only): socket mode (octal); default 0600, or 0660 with --socket-
     #: group
     socket_mode: int | None = None

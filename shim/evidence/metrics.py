@@ -240,8 +240,8 @@ class _LiveCollector:
 
     @staticmethod
     def _transport(t):
-        """The transport's limits: the relay's connections and the ones it shed, the grpc
-        transport's calls in progress (public counters of either; absent ones are left out)."""
+        """The relay's limits: the connections it serves and the ones it shed (its public
+        counters; absent ones are left out)."""
         connections = getattr(t, "connections", None)
         if connections is not None:
             g = GaugeMetricFamily("memqos_transport_connections", "kubelet connections the relay serves now")
@@ -262,25 +262,6 @@ class _LiveCollector:
                                     "kubelet connections whose runtime connection could not be made (their calls "
                                     "are answered UNAVAILABLE)")
             c.add_metric([], float(t.upstream_failures))
-            yield c
-        if getattr(t, "in_flight", None) is not None:
-            g = GaugeMetricFamily("memqos_transport_calls_in_flight", "calls the grpc transport is relaying now")
-            g.add_metric([], float(t.in_flight))
-            yield g
-            g = GaugeMetricFamily("memqos_transport_max_concurrent_calls", "the grpc transport's max-concurrent-rpcs setting")
-            g.add_metric([], float(t.max_concurrent_rpcs))
-            yield g
-            c = CounterMetricFamily(
-                "memqos_transport_calls_at_limit",
-                "calls that brought the grpc transport to max-concurrent-rpcs (until one ends, grpc answers "
-                "further calls RESOURCE_EXHAUSTED)")
-            c.add_metric([], float(t.rpcs_at_limit))
-            yield c
-        trimmer = getattr(t, "trimmer", None)
-        if trimmer is not None:
-            c = CounterMetricFamily("memqos_transport_heap_trims",
-                                    "times the grpc transport gave freed heap memory back (malloc_trim)")
-            c.add_metric([], float(trimmer.trims))
             yield c
 
     @staticmethod
@@ -354,7 +335,7 @@ class Metrics:
         self.recorder = None  # shim.evidence.recorder.Recorder (--record): its files' counters
         self.monitor = None
         self.reconciler = None
-        self.transport = None  # the CRI transport (RelayProxy or CriProxy), from Service.start
+        self.transport = None  # the CRI transport (the RelayProxy), from Service.start
         self.relay = None  # the relay transport: its limit_hits
         self.rollout = None  # shim.effects.rollout.Rollout: memqos_mode
         self.nri = None  # `memqos-shim nri`: the NRI plugin (its stats and registration)

@@ -31,7 +31,7 @@ class RuntimeUnavailable(Exception):
 
 class RuntimeClient:
     """The CRI calls the reconciler needs, on a small blocking HTTP/2 client
-    (``shim.transport.unary_client``: no grpcio in a `serve` that runs the relay)."""
+    (``shim.transport.unary_client``: no grpcio in `serve`)."""
 
     def __init__(self, endpoint: str, *, timeout: float = 10.0):
         self.endpoint = endpoint

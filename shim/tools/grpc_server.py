@@ -1,6 +1,6 @@
 """A small gRPC server over HTTP/2 on a unix socket, on asyncio and without grpcio: the stand-in
 runtimes of ``memqos-shim demo`` (``demo_runtime.py``) and ``memqos-shim replay``
-(``trace_runtime.py``) answer on it, so neither command needs the ``[grpc]`` extra.
+(``trace_runtime.py``) answer on it, so neither command needs grpcio.
 
 What a CRI client (the relay, grpcio, the unary client) needs and nothing more:
 

@@ -1,8 +1,6 @@
 """`memqos-shim replay`: run a recorded trace through the shim's real request path.
 
-The request path is the one `serve` runs: a real transport (the HTTP/2 relay by default, like
-`serve`; ``--transport grpc`` for the grpcio proxy, the [grpc] extra) on a real unix socket
-with the hooks built by ``shim.app.service.build_container_qos`` and ``shim.container.chain.build_request_hooks``.
+The request path is the one `serve` runs: the HTTP/2 relay on a real unix socket with the hooks built by ``shim.app.service.build_container_qos`` and ``shim.container.chain.build_request_hooks``.
 Upstream is a ``TraceRuntime`` answering every call with the recorded answer (so container ids
 and sandbox facts are the recorded ones). A client (``shim.transport.unary_client``) sends
 every recorded request, one at a time, in recorded start order, with the call's seq as
@@ -276,23 +274,13 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
-                       transport: str = "relay", mode: str = "enforce") -> ReplayResult:
+                       mode: str = "enforce") -> ReplayResult:
     from shim.app.service import build_container_qos
     from shim.container.chain import build_request_hooks
     from shim.cri.methods import CRI_METHODS
     from shim.effects.rollout import Rollout
     from shim.tools.trace_runtime import TraceRuntime
-
-    if transport == "relay":
-        from shim.transport.relay import RelayProxy as Proxy
-    elif transport == "grpc":
-        from shim.transport.grpc_extra import grpc_missing
-
-        if missing := grpc_missing("replay --transport grpc"):
-            raise ReplayError(missing)
-        from shim.transport.proxy import CriProxy as Proxy
-    else:
-        raise ReplayError(f"unknown transport {transport!r}: relay or grpc")
+    from shim.transport.relay import RelayProxy
 
     result = ReplayResult(trace=trace.path, settings=settings)
     t0 = time.perf_counter()
@@ -310,7 +298,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
     proxy = None
     try:
         await runtime.start(os.path.join(workdir, "runtime.sock"))
-        proxy = Proxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
+        proxy = RelayProxy("unix://" + os.path.join(workdir, "shim.sock"), runtime.endpoint, hooks, methods=CRI_METHODS)
         await proxy.start()
 
         def before(call: TraceCall) -> None:
@@ -349,11 +337,10 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
 
 
 def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
-           transport: str = "relay", mode: str = "enforce") -> ReplayResult:
-    """Synchronous wrapper (its own event loop). ``transport``: the request path's transport,
-    relay (serve's default) or grpc; ``mode``: enforce or observe (decided and audited, the
-    kubelet's bytes forwarded)."""
-    return asyncio.run(replay_async(trace, settings, timeout=timeout, transport=transport, mode=mode))
+           mode: str = "enforce") -> ReplayResult:
+    """Synchronous wrapper (its own event loop). ``mode``: enforce or observe (decided and
+    audited, the kubelet's bytes forwarded)."""
+    return asyncio.run(replay_async(trace, settings, timeout=timeout, mode=mode))
 
 
 # -- output ------------------------------------------------------------------------
@@ -432,7 +419,7 @@ def load_records(path: str) -> list[dict]:
 def _replay_options():
     from shim.app.config import OPTIONS
 
-    wanted = ("node-allocatable", "factor", "policy", "page-size", "transport", "mode")
+    wanted = ("node-allocatable", "factor", "policy", "page-size", "mode")
     return tuple(o for o in OPTIONS if o.name in wanted)
 
 
@@ -469,7 +456,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             settings.origin[key] = f"--config {args.config}"
     for problem in trace.problems:
         print(f"memqos-shim replay: note: {problem}", file=err)
-    result = replay(trace, settings, transport=cfg.transport, mode=cfg.mode)
+    result = replay(trace, settings, mode=cfg.mode)
     if args.json:
         out.write(records_jsonl(result.records))
     else:

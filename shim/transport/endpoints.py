@@ -50,8 +50,3 @@ def socket_path(endpoint: str) -> str:
             f"unix sockets allow at most {MAX_UNIX_PATH_BYTES}"
         )
     return path
-
-
-def grpc_target(endpoint: str) -> str:
-    """The gRPC channel target for an endpoint: ``unix:///abs/path``."""
-    return "unix://" + socket_path(endpoint)

@@ -11,9 +11,8 @@ the hooks as one ``RpcCall`` object:
   for ``finished``: the same object comes back there. It runs on the event loop, so it must be
   quick and must not block; the transport forwards the original bytes if it raises.
 * ``finished(call)`` -- once per call, after the upstream answered, and before the
-  transport handles the kubelet's next call: the grpc transport calls it before the
-  answer goes back, the relay right after writing the answer, in the same event-loop
-  callback (off the call's latency). Must not block (enqueue, dict update).
+  transport handles the kubelet's next call: right after the answer is written, in the
+  same event-loop callback (off the call's latency). Must not block (enqueue, dict update).
   Consumers: the audit/record writer, the reconciler's node state, the memory
   of containers that UpdateContainerResources needs.
 * ``not_rewritten(method, reason)`` -- a transport that could not hand a held call to

@@ -1,24 +1,26 @@
-"""A small blocking gRPC client for unary calls over HTTP/2 on a unix socket.
+"""A small blocking gRPC client for unary calls over HTTP/2 on a unix socket: the relay's wire
+code (``wire/``) driven from a socket, for the reconciler's runtime client, ``reset``,
+``doctor``, ``demo`` and ``replay``.
 
-The reconciler lists sandboxes and containers and asks for their statuses straight from the
-runtime, from its own thread, a few calls every resync. grpcio did that at the price of about
-9 MiB of resident memory in every `serve` (the relay transport needs no grpcio); this client
-speaks just enough HTTP/2 for it:
+The request is ``wire.grpc.request_headers`` (HPACK literals, the runtime's decoder table never
+touched) and the message in DATA frames within the runtime's flow-control windows. The answer's
+units come from ``wire.h2.frames``; every header block is decoded (``wire.hpack.Decoder``: the
+runtime's table must be followed) and read by ``wire.grpc.response_info``, the messages are
+reassembled by ``wire.grpc.Messages``, the status is the trailers' or ``ended_status`` /
+``reset_status``, as the relay reads them. SETTINGS are acknowledged, PING answered, GOAWAY
+and a lost connection are UNAVAILABLE, the timeout DEADLINE_EXCEEDED.
 
-* one connection, opened on the first call and again after any failure; calls one at a time;
-* the request: HEADERS (HPACK literals without indexing, so the runtime's decoder table is
-  never touched by us) and one DATA frame sequence within the runtime's flow-control windows;
-* the answer: every header block decoded (``wire.hpack.Decoder``: the runtime's dynamic table
-  must be followed), DATA collected; trailers or a trailers-only answer give grpc-status and
-  grpc-message. We advertise windows large enough for any answer up to ``max_message_bytes``
-  and give the connection window back after each call;
-* SETTINGS acknowledged, PING answered, GOAWAY and RST_STREAM mapped to gRPC status codes as
-  grpc does (UNAVAILABLE for a refused or lost connection, DEADLINE_EXCEEDED past the timeout).
+Bounded: a message above ``max_message_bytes`` ends the call at its prefix (RESOURCE_EXHAUSTED,
+the stream reset); a header block is at most ``max_header_list`` bytes, raw (in at most
+``MAX_CONTINUATIONS`` CONTINUATIONs, ``wire.h2.continuations`` as the relay checks it) and
+decoded, and a frame at most HTTP/2's default size (no other is advertised): past either the
+connection is closed (RESOURCE_EXHAUSTED). We advertise windows large enough for any answer up
+to ``max_message_bytes`` and give the connection window back after each call.
 
-``CallError.code`` is the status name (``NOT_FOUND``, ``UNAVAILABLE``...). No compression, no
-TLS, no client streaming; ``call_messages`` collects a server-streaming answer whole (``replay``
-sends recorded calls with it). What the reconciler, ``reset``, ``doctor``, ``demo`` and ``replay``
-need.
+One connection, opened on the first call and again after any failure; calls one at a time.
+``CallError.code`` is the status name. No compression, no TLS, no client streaming;
+``call_messages`` collects a server-streaming answer whole (``replay`` sends recorded calls
+with it).
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ import socket
 import time
 
 from shim.transport.endpoints import socket_path
-from shim.transport.wire.grpc import RST_STATUS, message, response_info, timeout_header
+from shim.transport.wire.grpc import Messages, ended_status, message, request_headers, reset_status, response_info
 from shim.transport.wire.h2 import (
     ACK,
     DATA,
+    DEFAULT_MAX_FRAME,
     END_HEADERS,
     END_STREAM,
     ERR_CANCEL,
+    ERR_FRAME_SIZE,
     GOAWAY,
     HEADERS,
     MAX_WINDOW,
@@ -44,18 +48,26 @@ from shim.transport.wire.h2 import (
     SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
     WINDOW_UPDATE,
+    H2Error,
     ProtocolError,
+    continuations,
     data_payload,
     frame,
+    frame_length,
     frames,
     header_block,
     rst_stream,
     setting,
     settings_items,
+    u31,
     window_update,
 )
-from shim.transport.wire.hpack import Decoder, HpackError, literal
+from shim.transport.wire.hpack import Decoder, HeaderListTooLarge, HpackError
+
+MAX_HEADER_LIST = 1024 * 1024  # the relay's h2-max-header-block default
+MAX_CONTINUATIONS = 128  # the relay's h2-max-continuations default
 
 
 class CallError(Exception):
@@ -75,12 +87,14 @@ class _NotProcessed(_Broken):
 
 class UnaryClient:
     def __init__(self, endpoint: str, *, max_message_bytes: int = 128 * 1024 * 1024,
-                 connect_timeout: float = 5.0, receive_window: int = MAX_WINDOW) -> None:
+                 max_header_list: int = MAX_HEADER_LIST, connect_timeout: float = 5.0,
+                 receive_window: int = MAX_WINDOW) -> None:
         self.path = socket_path(endpoint)
         if not 65535 <= receive_window <= MAX_WINDOW:
             raise ValueError(f"receive_window must be in 65535..{MAX_WINDOW}, not {receive_window}")
         self.receive_window = receive_window
         self.max_message_bytes = max_message_bytes
+        self.max_header_list = max_header_list
         self.connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._fresh_state()
@@ -89,10 +103,10 @@ class UnaryClient:
         """A new connection's HTTP/2 state."""
         self._buf = bytearray()
         self._next_sid = 1
-        self._decoder = Decoder()
+        self._decoder = Decoder(max_list=self.max_header_list)
         self._send_conn = 65535
         self._send_initial = 65535
-        self._max_frame = 16384
+        self._max_frame = DEFAULT_MAX_FRAME
         self._goaway = False
         self._owed = 0  # connection window to give back to the runtime
 
@@ -119,7 +133,8 @@ class UnaryClient:
         # answers never wait for a WINDOW_UPDATE from us, the connection's is given back after
         # each call
         w = self.receive_window
-        settings = setting(SETTINGS_ENABLE_PUSH, 0) + setting(SETTINGS_INITIAL_WINDOW_SIZE, w)
+        settings = (setting(SETTINGS_ENABLE_PUSH, 0) + setting(SETTINGS_INITIAL_WINDOW_SIZE, w)
+                    + setting(SETTINGS_MAX_HEADER_LIST_SIZE, self.max_header_list))
         self._send(PREFACE + frame(SETTINGS, 0, 0, settings) + (window_update(0, w - 65535) if w > 65535 else b""))
 
     def _send(self, data: bytes) -> None:
@@ -131,7 +146,8 @@ class UnaryClient:
     def _read_frame(self, deadline: float) -> tuple[int, int, int, bytes, int]:
         """The next unit (``wire.h2.frames``): (type, flags, stream id, payload, flow-controlled
         length); the payload of HEADERS / PUSH_PROMISE is the whole header block, of DATA the
-        data without padding (the flow-controlled length counts it)."""
+        data without padding (the flow-controlled length counts it). H2Error when the unit
+        still arriving is past a bound."""
         buf = self._buf
         while True:
             try:
@@ -144,6 +160,9 @@ class UnaryClient:
                         payload = bytes(buf[9:end])
                     del buf[:end]
                     return ftype, flags, sid, payload, end - 9
+                self._check_incomplete(buf)
+            except H2Error:
+                raise
             except ProtocolError as e:
                 raise _Broken(str(e)) from None
             left = deadline - time.monotonic()
@@ -159,6 +178,20 @@ class UnaryClient:
             if not chunk:
                 raise _Broken("the runtime closed the connection")
             buf += chunk
+
+    def _check_incomplete(self, buf: bytearray) -> None:
+        """The unit at the start of ``buf`` has not fully arrived: H2Error if what is announced
+        of it is already past a bound (a frame above the default size, a header block above
+        ``max_header_list`` bytes or in more than MAX_CONTINUATIONS frames)."""
+        n = len(buf)
+        if n < 9:
+            return
+        length = frame_length(buf, 0)
+        if length > DEFAULT_MAX_FRAME:
+            raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame from the runtime "
+                                                        f"(max {DEFAULT_MAX_FRAME})")
+        if buf[3] in (HEADERS, PUSH_PROMISE) and not buf[4] & END_HEADERS and n >= 9 + length:
+            continuations(buf, 9 + length, n, length, 0, DEFAULT_MAX_FRAME, self.max_header_list, MAX_CONTINUATIONS)
 
     # -- calls
     def call(self, method: str, request: bytes, timeout: float, metadata: tuple = ()) -> bytes:
@@ -203,23 +236,21 @@ class UnaryClient:
         except TimeoutError:
             self.close()  # the stream's state is unknown: start afresh next time
             raise CallError("DEADLINE_EXCEEDED", f"no answer to {method} within {timeout:g} s") from None
+        except (H2Error, HeaderListTooLarge) as e:
+            self.close()
+            raise CallError("RESOURCE_EXHAUSTED", f"{method}: the runtime's answer is past a bound ({e})") from None
         except HpackError as e:
             self.close()
             raise CallError("INTERNAL", f"{method}: undecodable header block from the runtime ({e})") from None
 
     def _call(self, sid: int, method: str, request: bytes, timeout: float, deadline: float,
               metadata: tuple = ()) -> list[bytes]:
-        block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", method.encode())
-                 + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
-                 + literal(b"te", b"trailers") + literal(b"grpc-timeout", timeout_header(timeout)))
-        for name, value in metadata:
-            block += literal(name.lower().encode(), value.encode())
         message_bytes = message(request)
-        self._send(frame(HEADERS, END_HEADERS, sid, block))
+        self._send(frame(HEADERS, END_HEADERS, sid, request_headers(method.encode(), timeout, metadata)))
         stream_window = self._send_initial
         sent = 0
-        body = bytearray()
-        headers_seen = False
+        received = 0  # DATA bytes of the answer, prefixes included
+        answer = Messages(1 << 30, self.max_message_bytes, self.max_message_bytes)
         status: str | None = None
         details = ""
         http_status = b""
@@ -242,63 +273,46 @@ class UnaryClient:
                 if not flags & ACK:
                     self._send(frame(PING, ACK, 0, payload))
             elif ftype == WINDOW_UPDATE:
-                inc = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
                 if fsid == 0:
-                    self._send_conn += inc
+                    self._send_conn += u31(payload, 0)
                 elif fsid == sid:
-                    stream_window += inc
+                    stream_window += u31(payload, 0)
             elif ftype == GOAWAY:
                 self._goaway = True
-                last_sid = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
-                if last_sid < sid:
+                if u31(payload, 0) < sid:
                     raise _NotProcessed("the runtime is going away (GOAWAY) and did not take the call")
             elif ftype == RST_STREAM and fsid == sid:
-                code = int.from_bytes(payload[:4], "big")
-                raise CallError(RST_STATUS.get(code, "INTERNAL"), f"{method}: stream reset by the runtime "
-                                                                  f"(HTTP/2 error code {code})")
+                code, reason = reset_status(int.from_bytes(payload[:4], "big"))
+                raise CallError(code, f"{method}: {reason}")
             elif ftype in (HEADERS, PUSH_PROMISE):
-                headers = self._decoder.decode(payload)  # every block: the table must be followed
+                info = self._decoder.info(payload, response_info)  # every block: the table must be followed
                 if ftype == PUSH_PROMISE or fsid != sid:
                     continue
-                got_http, _, got_status, got_details = response_info(headers)
+                got_http, _, got_status, got_details = info
                 if got_http:
                     http_status = got_http
                 if got_status is not None:
                     status, details = got_status, got_details
-                headers_seen = True
                 if flags & END_STREAM:
                     break
             elif ftype == DATA:
                 self._owed += flow  # flow control counts padding too
                 if fsid == sid:
-                    body += payload
-                    if len(body) > self.max_message_bytes + 5:
+                    received += len(payload)
+                    if answer.feed(payload) or received > self.max_message_bytes + 5:
                         self._send(rst_stream(sid, ERR_CANCEL))
                         raise CallError("RESOURCE_EXHAUSTED", f"{method}: answer larger than "
                                                               f"{self.max_message_bytes} bytes")
                     if flags & END_STREAM:
-                        status = status or "UNKNOWN"
-                        details = details or "the runtime ended the stream without trailers"
                         break
-        if status is None:
-            if headers_seen and http_status and http_status != b"200":
-                raise CallError("UNAVAILABLE" if http_status in (b"502", b"503", b"504") else "UNKNOWN",
-                                f"{method}: HTTP status {http_status.decode('ascii', 'replace')}")
-            raise CallError("UNKNOWN", f"{method}: the runtime's answer has no grpc-status")
+        status, details = ended_status(http_status, status, details)
         if status != "OK":
             raise CallError(status, details)
-        messages, pos = [], 0
-        while pos < len(body):
-            if len(body) - pos < 5:
-                raise CallError("INTERNAL", f"{method}: a truncated message in the answer")
-            if body[pos] & 1:
-                raise CallError("INTERNAL", f"{method}: compressed answer (not asked for)")
-            n = int.from_bytes(body[pos + 1:pos + 5], "big")
-            if pos + 5 + n > len(body):
-                raise CallError("INTERNAL", f"{method}: answer of {len(body) - pos - 5} bytes for a message of {n}")
-            messages.append(bytes(body[pos + 5:pos + 5 + n]))
-            pos += 5 + n
-        return messages
+        if answer.partial:
+            raise CallError("INTERNAL", f"{method}: a truncated message in the answer")
+        if answer.compressed:
+            raise CallError("INTERNAL", f"{method}: compressed answer (not asked for)")
+        return answer.msgs
 
     def _settings(self, payload: bytes) -> int:
         """Apply the runtime's SETTINGS; returns the change of the initial stream window."""
@@ -308,7 +322,7 @@ class UnaryClient:
                 delta += value - self._send_initial
                 self._send_initial = value
             elif ident == SETTINGS_MAX_FRAME_SIZE:
-                self._max_frame = max(16384, min(value, 1 << 24))
+                self._max_frame = max(DEFAULT_MAX_FRAME, min(value, 1 << 24))
         return delta
 
     def _give_back(self) -> None:

@@ -1,6 +1,6 @@
-"""The listening unix socket, as the CRI transports create it, and small shared helpers.
+"""The listening unix socket, as the CRI transport creates it, and small shared helpers.
 
-Used by both transports (relay.py, proxy.py). The socket is bound in a fresh 0700
+Used by the relay (``relay/aio.py``). The socket is bound in a fresh 0700
 directory, its mode (0600, or 0660 with a group) and group are set there, then it is renamed into
 place, so it is never reachable by other users, whatever the umask; a stale socket (nobody
 listening) is replaced atomically; a non-socket file or a live socket at that path is refused.

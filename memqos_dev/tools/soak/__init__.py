@@ -1,8 +1,7 @@
 """scripts/soak: the shim under kubelet-shaped load with its runtime killed every few seconds.
 
 The in-repo fake runtime (``memqos_dev.testing.fake_runtime``, without its per-call log: ``upstream.py``)
-runs on a unix socket in a temporary directory; ``memqos-shim serve`` (``--transport relay`` by
-default) runs in front of it with a cgroup tree of plain files and fixed node facts
+runs on a unix socket in a temporary directory; ``memqos-shim serve`` runs in front of it with a cgroup tree of plain files and fixed node facts
 (``stack.py``). Several clients (grpcio channels like a kubelet's, and the shim's own
 ``UnaryClient``) drive pods through the shim's socket the way a kubelet does -- RunPodSandbox,
 PodSandboxStatus, CreateContainer, ContainerStatus, StartContainer, ListContainers,

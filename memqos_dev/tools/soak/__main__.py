@@ -29,7 +29,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--poller", type=int, default=1, choices=(0, 1),
                    help="1: also relist through the shim's UnaryClient (default 1)")
     p.add_argument("--polls", type=int, default=2, help="status polls per pod (default 2)")
-    p.add_argument("--transport", default="relay", choices=("relay", "grpc"), help="`serve --transport` (default relay)")
     p.add_argument("--deadline", type=float, default=15.0, help="per-call deadline; no answer = lost (default 15)")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds after the runtime is back during which UNAVAILABLE still counts as the outage's")
@@ -56,14 +55,14 @@ def log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    stack = Stack(args.transport)
+    stack = Stack()
     stack.prepare()
     faults = None
     failures: list[str] = []
     try:
         stack.start_upstream()
         stack.start_shim()
-        log(f"soak: memqos-shim serve --transport {args.transport} (pid {stack.shim.pid}) in {stack.dir}")
+        log(f"soak: memqos-shim serve (pid {stack.shim.pid}) in {stack.dir}")
         faults = Faults(stack, args.kill_every, args.down)
         tally = Tally()
         t_start = time.monotonic()
@@ -135,7 +134,6 @@ def summary(args, tally: Tally, faults: Faults, stack: Stack, rss_start: int, wa
             rss_max: int, elapsed: float, failures: list[str]) -> None:
     c = tally.counts
     rows = [
-        ("transport", args.transport),
         ("clients", f"{args.clients} grpcio" + (" + 1 UnaryClient poller" if args.poller else "")),
         ("calls", f"{tally.total} in {elapsed:.0f} s ({tally.total / max(elapsed, 1e-9):.0f}/s)"),
         ("answered as the runtime answered", f"{c['ok']} (rewrites checked against shim.decision: "
@@ -188,7 +186,7 @@ def run_probes(stack: Stack) -> bool:
     known = {"socket": str(stack.shim_sock), "shim_socket": str(stack.shim_sock), "path": str(stack.shim_sock),
              "target": f"unix://{stack.shim_sock}", "listen": f"unix://{stack.shim_sock}",
              "address": f"unix://{stack.shim_sock}", "pid": stack.shim.pid, "shim_pid": stack.shim.pid,
-             "transport": stack.transport, "upstream": f"unix://{stack.runtime_sock}"}
+             "upstream": f"unix://{stack.runtime_sock}"}
     params = inspect.signature(mod.run_probes).parameters
     kwargs = {k: v for k, v in known.items() if k in params}
     try:

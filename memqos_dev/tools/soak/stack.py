@@ -43,9 +43,8 @@ def make_cgroup_dir(path: Path) -> None:
 
 
 class Stack:
-    def __init__(self, transport: str = "relay", extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, extra_args: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="mqsoak-"))  # unix socket paths must stay short
-        self.transport = transport
         self.extra_args = extra_args
         self.runtime_sock = self.dir / "rt.sock"
         self.shim_sock = self.dir / "shim.sock"
@@ -71,7 +70,7 @@ class Stack:
         return ["--listen", f"unix://{self.shim_sock}", "--upstream", f"unix://{self.runtime_sock}",
                 "--kubelet-config", str(self.kubelet_config), "--kubelet-version", KUBELET_VERSION,
                 "--cgroup-root", str(self.cgroot), "--meminfo", str(self.meminfo), "--page-size", str(PAGE),
-                "--audit-log", str(self.audit), "--transport", self.transport, "--log-level", "warning",
+                "--audit-log", str(self.audit), "--log-level", "warning",
                 *self.extra_args]
 
     # -- the runtime

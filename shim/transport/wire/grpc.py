@@ -1,10 +1,14 @@
 """gRPC over HTTP/2 as the relay and the unary client read and write it: status names and
 grpc's mappings (RST_STREAM code, HTTP status), the status of an answer's header block
-(``response_info``), grpc-message percent-encoding, grpc-timeout, the 5-byte message prefix
-and the messages reassembled from DATA payloads (``Messages``), and the two compressions."""
+(``response_info``) and of an answer that ended without one (``ended_status``), a client's
+request header block (``request_headers``), grpc-message percent-encoding, grpc-timeout, the
+5-byte message prefix and the messages reassembled from DATA payloads (``Messages``), and the
+two compressions."""
 from __future__ import annotations
 
 import zlib
+
+from shim.transport.wire.hpack import literal
 
 STATUS_NAMES = (
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
@@ -83,6 +87,35 @@ def response_info(headers: list[tuple[bytes, bytes]]) -> tuple:
     return http_status or b"", encoding or b"", code, details
 
 
+def ended_status(http_status: bytes, code: str | None, details: str) -> tuple[str, str]:
+    """The status of an answer that ended: its own (``code`` from ``response_info``), or
+    without grpc-status the one grpc gives for its HTTP status (UNKNOWN for 200 or none)."""
+    if code is not None:
+        return code, details
+    if http_status and http_status != b"200":
+        return (HTTP_STATUS.get(http_status, "UNKNOWN"),
+                f"HTTP status {http_status.decode('ascii', 'replace')} from the runtime")
+    return "UNKNOWN", "the runtime's answer has no grpc-status"
+
+
+def reset_status(error_code: int) -> tuple[str, str]:
+    """The status of a stream the runtime reset with RST_STREAM ``error_code``."""
+    return RST_STATUS.get(error_code, "INTERNAL"), f"stream reset by the runtime (HTTP/2 error code {error_code})"
+
+
+def request_headers(path: bytes, timeout: float | None = None, metadata: tuple = ()) -> bytes:
+    """A gRPC request's header block as a client sends it: HPACK literals without indexing,
+    so no table of the server's decoder is touched; ``metadata``: (name, value) strings."""
+    block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", path)
+             + literal(b":authority", b"localhost") + literal(b"content-type", b"application/grpc")
+             + literal(b"te", b"trailers"))
+    if timeout is not None:
+        block += literal(b"grpc-timeout", timeout_header(timeout))
+    for name, value in metadata:
+        block += literal(name.lower().encode(), value.encode())
+    return block
+
+
 TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
 
 
@@ -136,6 +169,11 @@ class Messages:
         self.cur: list | None = None  # pieces of the current message
         self.flag = 0
         self.compressed = False
+
+    @property
+    def partial(self) -> bool:
+        """A message has begun (its prefix or a part of it came) and has not completed."""
+        return self.left >= 0 or bool(self.head)
 
     def drop_partial(self) -> None:
         """Let go of the pieces of a message that will never complete (the stream ended)."""
