@@ -77,7 +77,7 @@ def test_data_beyond_a_stream_window_resets_that_stream_alone(harness):
     c.read(0.2, until_closed=False)
     assert not c.closed and goaway_code(c.frames) is None
     assert resets(c.frames) == [(1, FLOW_CONTROL_ERROR)]
-    assert [sid for conn in h.conns() for sid in conn.streams] == [3]  # stream 1's state is gone
+    assert [sid for conn in h.conns() for sid in conn.streams.open] == [3]  # stream 1's state is gone
 
 
 def test_a_client_window_update_past_2_31_on_a_stream_resets_that_stream(harness):

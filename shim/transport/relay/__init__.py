@@ -87,9 +87,11 @@ from shim.transport.relay.aio import (
     trim_heap,
 )
 from shim.transport.relay.connection import Connection
+from shim.transport.relay.events import CallEnded, Closed, HeldRequest, LimitHit, NotRewritten, Output, TrimHeap
 from shim.transport.relay.limits import LIMIT_NAMES, H2Limits
-from shim.transport.relay.writes import Buffer
+from shim.transport.relay.stream import HoldBudget, Stream, StreamSettings
 from shim.transport.wire.h2 import PREFACE
 
 __all__ = ["HOLD_MAX_BYTES", "HOLD_TOTAL_BYTES", "LIMIT_NAMES", "H2Limits", "PREFACE", "READ_PAUSE_BYTES", "REFUSED_IDLE_CLOSE",
-           "UPSTREAM_CONNECT_TIMEOUT", "Buffer", "Connection", "RelayProxy", "trim_heap"]
+           "UPSTREAM_CONNECT_TIMEOUT", "CallEnded", "Closed", "Connection", "HeldRequest", "HoldBudget", "LimitHit",
+           "NotRewritten", "Output", "RelayProxy", "Stream", "StreamSettings", "TrimHeap", "trim_heap"]

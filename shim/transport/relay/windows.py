@@ -21,7 +21,7 @@ message it sends instead (N' bytes for N) must fit the server's windows. So it t
 * the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
   order, with the flow-controlled length of each entry.
 
-No I/O: ``drain`` returns the frames that may go now.
+No I/O: ``send_owned`` and ``drain`` give the frames that may go now.
 """
 from __future__ import annotations
 
@@ -135,6 +135,30 @@ class Windows:
         self.s_conn -= n
         return True
 
+    def send_owned(self, sid: int, payload: bytes, end_stream: int, to_upstream: list) -> None:
+        """DATA the relay sends on stream ``sid`` itself, in frames of at most 16384 bytes:
+        onto ``to_upstream`` when the windows take all of it now, else through the queue."""
+        n = len(payload)
+        step = self.max_frame
+        flags = END_STREAM if end_stream else 0
+        if self.take(sid, n):
+            if end_stream:
+                self.streams.pop(sid, None)
+            if n <= step:
+                to_upstream.append(_data_frame(flags, sid, payload))
+                return
+            for off in range(0, n, step):
+                last = off + step >= n
+                to_upstream.append(_data_frame(flags if last else 0, sid, payload[off:off + step]))
+            return
+        if n == 0:
+            self.enqueue(sid, _data_frame(flags, sid, b""), 0)
+        for off in range(0, n, step):
+            chunk = payload[off:off + step]
+            last = off + step >= n
+            self.enqueue(sid, _data_frame(flags if last else 0, sid, chunk), len(chunk))
+        to_upstream.extend(self.drain())
+
     # ---------------------------------------------------------------- the queue
 
     def enqueue(self, sid: int, frame: bytes, flow: int) -> None:
@@ -182,3 +206,8 @@ class Windows:
                 streams.pop(sid, None)
             out.append(frame)
         return out
+
+
+def _data_frame(flags: int, sid: int, payload: bytes) -> bytes:
+    n = len(payload)
+    return bytes((n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, DATA, flags)) + sid.to_bytes(4, "big") + payload

@@ -129,7 +129,7 @@ def frames(data, pos: int, n: int):
         flags = data[pos + 4]
         if ftype == HEADERS or ftype == PUSH_PROMISE:
             if not flags & END_HEADERS:
-                end = _unit_end(data, end, n)
+                end = unit_end(data, end, n)
                 if end < 0:
                     return
         elif ftype == CONTINUATION:
@@ -138,7 +138,7 @@ def frames(data, pos: int, n: int):
         pos = end
 
 
-def _unit_end(data, p: int, n: int) -> int:
+def unit_end(data, p: int, n: int) -> int:
     """The end of the CONTINUATION frames from ``p`` on up to END_HEADERS, -1 if not all arrived."""
     while True:
         if n - p < 9:
