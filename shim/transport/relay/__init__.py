@@ -44,12 +44,16 @@ code and the connection is closed (a stream over the concurrency limit is refuse
 stream whose flow control a peer broke is reset alone), and ``RelayProxy.limit_hits`` counts it
 by limit.
 
-Layout: ``connection.py`` is the relay of one kubelet connection without I/O (bytes in, writes
-to two writers, the owner told what happened), its work split by direction into
-``client_side.py`` and ``server_side.py``, with ``hold.py`` (held requests rewritten),
-``windows.py`` (the flow-control windows), ``refuse.py`` (the UNAVAILABLE server side) and
-``calls.py`` (one call's state), ``limits.py`` (the HTTP/2 limits), ``writes.py`` (what it writes to); ``aio.py`` is the asyncio
-layer (sockets, ``RelayProxy``), ``listener.py`` its accept loop. A connection is taken only
+Layout: ``connection.py`` is the relay of one kubelet connection without I/O, a state machine
+that takes bytes from either side and returns what to write each way and a short list of typed
+events (``events.py``: ``Output``; a held request complete, a call ended, a fail-open, a limit
+hit, heap worth trimming, the connection closed); it holds the client's side and the held
+requests itself and is composed of ``stream.py`` (each ``Stream``: one call's state, held bytes,
+windows and messages; the ``StreamTable``; the ``HoldBudget`` every connection is given),
+``windows.py`` (the client-to-server windows), ``limits.py`` (what each peer sent that is not
+complete yet, the HTTP/2 limits), ``server_side.py`` (the runtime's side) and ``refuse.py`` (the
+UNAVAILABLE server side). ``aio.py`` is the asyncio layer (sockets, ``RelayProxy``: it acts on
+the events and runs the hooks), ``listener.py`` its accept loop. A connection is taken only
 with both its descriptors (the kubelet's side and the runtime's socket, made at accept) and
 only below ``max_connections``; otherwise it gets the server preface and GOAWAY
 ENHANCE_YOUR_CALM saying why, is closed and counted (``shed_limit``, ``shed_descriptors``),
@@ -71,7 +75,7 @@ queued (``room``), so the client's view never drifts above the server's; when ``
 (held, dropped or cancelled bytes), the relay grants it to the client itself. The other
 direction's connection window is only counted (``Windows.to_client``), to refuse a client
 WINDOW_UPDATE that takes it past 2^31-1. Each open stream's windows are counted
-both ways, for the limits only (``Call.up``, ``Call.down``; ``limits.py``): client DATA beyond
+both ways, for the limits only (``Stream.up``, ``Stream.down``; ``limits.py``): client DATA beyond
 a stream's window and a WINDOW_UPDATE taking one past 2^31-1 reset that stream. Everything else
 is forwarded verbatim: what the relay does not understand, it does not touch.
 """

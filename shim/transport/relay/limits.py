@@ -19,11 +19,11 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
   GOAWAY FLOW_CONTROL_ERROR to the peer that broke it;
 * the same on a stream (``stream_flow_control``), a stream error: client DATA beyond the
   stream's window, a client WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR
-  to the client, CANCEL upstream, the stream's frames from there dropped: ``_stream_error``);
+  to the client, CANCEL upstream, the stream's frames from there dropped: ``StreamLimits``);
   the runtime's WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR upstream,
   INTERNAL to the client: ``server_side.py``). Each open call keeps its two windows less the
-  initial window they start from (``Call.up``: the runtime's WINDOW_UPDATEs and the relay's for
-  held DATA, less the client's DATA; ``Call.down``: the client's WINDOW_UPDATEs less the
+  initial window they start from (``Stream.up``: the runtime's WINDOW_UPDATEs and the relay's for
+  held DATA, less the client's DATA; ``Stream.down``: the client's WINDOW_UPDATEs less the
   runtime's DATA), so a SETTINGS_INITIAL_WINDOW_SIZE change moves every stream's window at once
   and the state goes with the call. The bounds are the most a compliant peer may use
   (``Windows``): client DATA against the largest initial window the client may be using (the

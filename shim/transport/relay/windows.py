@@ -14,10 +14,10 @@ message it sends instead (N' bytes for N) must fit the server's windows. So it t
   a raised value counts only once the client's ACK of that SETTINGS frame went upstream
   (grpc-core checks a stream's DATA against the value the peer acknowledged, and resets the
   stream otherwise), a lowered one at once (the server may apply it on sending). The same
-  values give the bounds of the client's stream windows (``Call.up``, see ``limits.py``): the
+  values give the bounds of the client's stream windows (``Stream.up``, see ``limits.py``): the
   largest the client may be using (``peak``: acknowledged or not yet) for its DATA, the
   smallest (``initial``) for a WINDOW_UPDATE's overflow; and the client's own value starts
-  the windows it gives the server (``Call.down``, at most ``c_over``).
+  the windows it gives the server (``Stream.down``, at most ``c_over``).
 * the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
   order, with the flow-controlled length of each entry.
 
@@ -47,10 +47,10 @@ class Windows:
         self.settings_unacked: deque = deque()  # per server SETTINGS frame not yet acked: its value or None
         # the largest initial window the client may be using for its DATA: the acknowledged one
         # or one it may have applied on receipt (not acknowledged yet); the client's stream
-        # windows are judged against it (``Call.up``), lower ones against ``initial``
+        # windows are judged against it (``Stream.up``), lower ones against ``initial``
         self.peak = DEFAULT_WINDOW
         # 2^31-1 less the client's own SETTINGS_INITIAL_WINDOW_SIZE (its latest), which the
-        # runtime's stream windows start from: a ``Call.down`` above it is a window past 2^31-1
+        # runtime's stream windows start from: a ``Stream.down`` above it is a window past 2^31-1
         self.c_over = MAX_WINDOW - DEFAULT_WINDOW
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
