@@ -1,7 +1,8 @@
 """HTTP/2 frames as the relay (``shim.transport.relay``) and the reconciler's unary client
-(``unary_client.py``) read and write them: frame types, flags, settings, frame building, and
-the one frame scan (``frames``) with its header-block trim (``header_block``) and DATA payload
-(``data_payload``) that every reader uses.
+(``unary_client.py``) read and write them: frame types, flags, settings, frame building, the
+frame scan (``frames``; the relay's client side reads the 9-byte frame headers in its own loop
+and takes a header block's CONTINUATIONs with ``unit_end``), the header-block trim
+(``header_block``) and the DATA payload (``data_payload``).
 
 A *unit* is what ``frames`` yields: one frame, or a HEADERS / PUSH_PROMISE frame together with
 its CONTINUATION frames (a header block is decoded and forwarded whole, so nothing is ever
