@@ -498,7 +498,7 @@ def test_a_runtime_window_update_past_2_31_on_a_held_stream_resets_that_stream(h
     trailers = [f[3] for f in c.frames if f[0] == HEADERS and f[2] == 1][-1]
     assert literal(b"grpc-status", b"13") in trailers
     assert not c.closed
-    assert h.relay.limit_hits["stream_flow_control"] == 1
+    assert wait_for(lambda: h.relay.limit_hits["stream_flow_control"] == 1)  # counted right after the reset is written
 
 
 # ------------------------------------------------------------------------------ streams
@@ -533,7 +533,7 @@ def test_streams_beyond_the_concurrency_limit_are_refused(harness):
     assert wait_for(lambda: (RST_STREAM, 2001) in [(f[0], f[2]) for f in h.runtime.frames()])
     up = [(f[0], f[2]) for f in h.runtime.frames() if f[2] == 2001]
     assert up == [(HEADERS, 2001), (RST_STREAM, 2001)]
-    assert h.relay.limit_hits["concurrent_streams"] == 1
+    assert wait_for(lambda: h.relay.limit_hits["concurrent_streams"] == 1)  # counted right after the reset is written
     # its DATA in flight is dropped, not forwarded
     c.send(frame(DATA, END_STREAM, 2001, b"x"))
     c.send(frame(DATA, END_STREAM, 1, b"y"))

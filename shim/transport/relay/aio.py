@@ -135,49 +135,50 @@ class _ClientSide(asyncio.Protocol):
     def act(self, out: Output) -> None:
         """Do what the connection returned: its writes, then its events; hand a held request's
         rewrite back, resume a paused connection, until it has nothing more to say."""
-        conn = self.conn
         while True:
             pieces = out.to_upstream
-            if pieces:
-                upstream = self.upstream
-                if upstream is not None:
-                    if len(pieces) == 1:
-                        upstream.write(pieces[0])
-                    else:
-                        upstream.writelines(pieces)
+            if pieces:  # only once connected: the connection sends nothing upstream before
+                if len(pieces) == 1:
+                    self.upstream.write(pieces[0])
+                else:
+                    self.upstream.writelines(pieces)
             pieces = out.to_client
             if pieces:
                 if len(pieces) == 1:
                     self.client.write(pieces[0])
                 else:
                     self.client.writelines(pieces)
-            held = None
-            closed = False
             if out.events:
-                relay = self.relay
-                for event in out.events:
-                    kind = type(event)
-                    if kind is CallEnded:
-                        guarded_finished(relay.hooks, event.call, relay.finished_failed)
-                    elif kind is HeldRequest:
-                        held = event.stream
-                        payload = guarded_rewrite(relay.hooks, held, relay.rewrite_failed)
-                    elif kind is NotRewritten:
-                        relay.not_rewritten(event)
-                    elif kind is LimitHit:
-                        relay.limit_hit(event.name, event.detail)
-                    elif kind is TrimHeap:
-                        relay.trim_soon()
-                    elif kind is Closed:
-                        closed = True
-            if held is not None:
-                out = conn.send_request(held, payload)
+                out = self._events(out.events)
+                if out is None:
+                    return
             elif out.paused:
-                out = conn.resume()
+                out = self.conn.resume()
             else:
-                if closed:
-                    self._closed()
                 return
+
+    def _events(self, events: list) -> Output | None:
+        """Act on the events of an Output whose writes went out; the connection's next Output
+        when it asked for one (a held request's rewrite handed back, a pause), else None."""
+        relay = self.relay
+        conn = self.conn
+        for event in events:
+            kind = type(event)
+            if kind is CallEnded:
+                guarded_finished(relay.hooks, event.call, relay.finished_failed)
+            elif kind is HeldRequest:  # the last event
+                stream = event.stream
+                return conn.send_request(stream, guarded_rewrite(relay.hooks, stream, relay.rewrite_failed))
+            elif kind is NotRewritten:
+                relay.not_rewritten(event)
+            elif kind is LimitHit:
+                relay.limit_hit(event.name, event.detail)
+            elif kind is TrimHeap:
+                relay.trim_soon()
+            elif kind is Closed:  # the last event
+                self._closed()
+                return None
+        return conn.resume() if conn.out.paused else None
 
     def drop_upstream_sock(self) -> None:
         sock, self.upstream_sock = self.upstream_sock, None
