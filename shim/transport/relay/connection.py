@@ -306,7 +306,7 @@ class Connection:
         streams = table.open
         ended = table.ended
         win = self.windows
-        owned = win.streams
+        sending = win.sending
         qsids = win.qsids
         units = []
         verbatim = not win.queue
@@ -340,7 +340,7 @@ class Connection:
                                                    f"({up + length - floor})")
                     if stream.hold is not None:
                         verbatim = False
-                if sid in ended or sid in owned:
+                if sid in ended or sid in sending:
                     verbatim = False
                 need += length
                 if length > max_frame:
@@ -365,7 +365,8 @@ class Connection:
                         if stream.hold is not None:
                             # the relay sends its DATA itself: the runtime's window for it counts
                             # from now (a WINDOW_UPDATE may come before the message is complete)
-                            owned[sid] = win.initial
+                            stream.send_window = win.initial
+                            sending[sid] = stream
                             if flags & END_STREAM:
                                 verbatim = False
                 if sid in qsids:
@@ -470,7 +471,7 @@ class Connection:
                             out_start = end
                             table.too_big(stream, too_big, self.server.client_list(out), pending, out.events)
                             continue
-                    if win.queue or length > win.s_conn or sid in win.streams:
+                    if win.queue or length > win.s_conn or sid in win.sending:
                         if out_start < pos:
                             pending.append(memoryview(data)[out_start:pos])
                         out_start = end
@@ -487,7 +488,7 @@ class Connection:
                     stream = streams.get(sid)
                     if stream is not None and stream.hold is not None:  # a held call without a message
                         table.drop_hold(stream)
-                        win.streams.pop(sid, None)  # ended by its HEADERS: the relay sends nothing on it
+                        win.sending.pop(sid, None)  # ended by its HEADERS: the relay sends nothing on it
             elif ftype == WINDOW_UPDATE and sid in ended:  # of a stream the relay ended: dropped
                 if out_start < pos:
                     pending.append(memoryview(data)[out_start:pos])

@@ -30,7 +30,7 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
   acknowledged one or a newer one it may have applied on receipt), the runtime's
   WINDOW_UPDATEs against the smallest, the client's against its own latest value. A held
   request's DATA is bounded by the hold's caps instead while held; the runtime's window of a
-  stream the relay sends on itself is the relay's count of what it sent (``Windows.streams``);
+  stream the relay sends on itself is the relay's count of what it sent (``Stream.send_window``);
 * more RST_STREAM from the client than ``reset_rate`` per second over a burst of
   ``reset_burst`` (rapid reset): GOAWAY ENHANCE_YOUR_CALM;
 * more than ``max_concurrent_streams`` open streams: the new one is refused (RST_STREAM

@@ -207,10 +207,10 @@ class ServerSide:
             return
         inc = int.from_bytes(data[pos + 9:pos + 13], "big") & 0x7FFFFFFF
         stream = self.streams.open.get(sid)
-        w = win.streams.get(sid)
-        if w is not None:  # a stream the relay sends on itself: its own count of the window decides
-            w += inc
-            win.streams[sid] = w
+        sending = win.sending.get(sid)
+        if sending is not None:  # a stream the relay sends on itself: its own count of the window decides
+            sending.send_window += inc
+            w = sending.send_window
             if stream is None:
                 return
             stream.up += inc

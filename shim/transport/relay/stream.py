@@ -76,10 +76,11 @@ class Stream(RpcCall):
     messages of each direction, reassembled. ``up`` and ``down`` are the stream's flow-control
     windows less the initial window each starts from (``limits.py``): the runtime's
     WINDOW_UPDATEs (and the relay's for held DATA) less the client's DATA; the client's
-    WINDOW_UPDATEs less the runtime's DATA."""
+    WINDOW_UPDATEs less the runtime's DATA. ``send_window`` is the runtime's window for DATA the
+    relay sends on the stream itself (a held request's message: ``Windows.sending``)."""
 
     __slots__ = ("sid", "t0", "timeout", "held", "hold", "req", "resp", "resp_headers", "http_status",
-                 "req_encoding", "resp_encoding", "request_known", "done", "up", "down")
+                 "req_encoding", "resp_encoding", "request_known", "done", "up", "down", "send_window")
 
     def __init__(self, sid: int, info: tuple, settings: StreamSettings, start: float, t0: float) -> None:
         method, timeout, encoding, unary_req, unary_resp, headers = info
@@ -122,6 +123,7 @@ class Stream(RpcCall):
         self.done = False
         self.up = 0
         self.down = 0
+        self.send_window = 0
 
     def finished(self, code: str, details: str, now: float) -> RpcCall:
         """This call, completed for ``CallHooks.finished``: ended with ``code`` at ``now``."""

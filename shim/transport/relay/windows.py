@@ -8,8 +8,9 @@ message it sends instead (N' bytes for N) must fit the server's windows. So it t
 * ``s_conn``: the server's connection window, what may still go upstream; ``c_conn``: the
   client's view of it. The client's view never exceeds what the server allows minus what is
   queued: ``room`` is the difference the relay may grant the client itself.
-* per stream the relay sends DATA on itself (held, then re-sent), the server's stream window
-  (``streams``): the initial window plus the server's WINDOW_UPDATEs minus what was sent.
+* the streams the relay sends DATA on itself (held, then re-sent: ``sending``), each with the
+  server's window for it on the stream itself (``Stream.send_window``): the initial window plus
+  the server's WINDOW_UPDATEs minus what was sent.
 * the server's SETTINGS_INITIAL_WINDOW_SIZE as far as the relay may use it for its own DATA:
   a raised value counts only once the client's ACK of that SETTINGS frame went upstream
   (grpc-core checks a stream's DATA against the value the peer acknowledged, and resets the
@@ -34,7 +35,7 @@ DEFAULT_WINDOW = 65535
 
 class Windows:
     __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "peak", "c_over",
-                 "max_frame", "streams", "queue", "queued", "qsids")
+                 "max_frame", "sending", "queue", "queued", "qsids")
 
     def __init__(self) -> None:
         self.s_conn = DEFAULT_WINDOW
@@ -55,7 +56,7 @@ class Windows:
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
         self.max_frame = 16384
-        self.streams: dict[int, int] = {}  # the server's windows of streams the relay sends on itself
+        self.sending: dict = {}  # the streams the relay sends on itself, by id (their send_window)
         self.queue: deque = deque()  # (sid, frame, flow-controlled length)
         self.queued = 0
         self.qsids: dict[int, int] = {}  # sid -> its entries in the queue
@@ -91,17 +92,17 @@ class Windows:
         delta = value - self.initial
         if delta:
             self.initial = value
-            streams = self.streams
-            for k in streams:
+            for stream in self.sending.values():
                 # past 2^31-1 only if the runtime broke RFC 9113 6.9.2: sending less is safe
-                streams[k] = min(streams[k] + delta, MAX_WINDOW)
+                stream.send_window = min(stream.send_window + delta, MAX_WINDOW)
 
     # ---------------------------------------------------------------- windows
 
-    def own_stream(self, sid: int) -> None:
-        """The relay sends on stream ``sid`` itself from now on: track its server window."""
-        if sid not in self.streams:
-            self.streams[sid] = self.initial
+    def own_stream(self, stream) -> None:
+        """The relay sends on ``stream`` itself from now on: track its server window."""
+        if stream.sid not in self.sending:
+            stream.send_window = self.initial
+            self.sending[stream.sid] = stream
 
     def server_conn_update(self, inc: int) -> bool:
         """The server's connection WINDOW_UPDATE: True when the client may have all of it
@@ -127,11 +128,11 @@ class Windows:
         windows take them (then counted); else False."""
         if self.queue or n > self.s_conn:
             return False
-        w = self.streams.get(sid)
-        if w is not None:
-            if n > w:
+        stream = self.sending.get(sid)
+        if stream is not None:
+            if n > stream.send_window:
                 return False
-            self.streams[sid] = w - n
+            stream.send_window -= n
         self.s_conn -= n
         return True
 
@@ -143,7 +144,7 @@ class Windows:
         flags = END_STREAM if end_stream else 0
         if self.take(sid, n):
             if end_stream:
-                self.streams.pop(sid, None)
+                self.sending.pop(sid, None)
             if n <= step:
                 to_upstream.append(_data_frame(flags, sid, payload))
                 return
@@ -177,23 +178,23 @@ class Windows:
                     keep.append(entry)
             self.queue = keep
             del self.qsids[sid]
-        self.streams.pop(sid, None)
+        self.sending.pop(sid, None)
 
     def drain(self) -> list[bytes]:
         """The queued frames the windows take now, in order (counted)."""
         q = self.queue
         out = []
-        streams = self.streams
+        sending = self.sending
         while q:
             sid, frame, flow = q[0]
             if flow:
                 if flow > self.s_conn:
                     break
-                w = streams.get(sid)
-                if w is not None:
-                    if flow > w:
+                stream = sending.get(sid)
+                if stream is not None:
+                    if flow > stream.send_window:
                         break
-                    streams[sid] = w - flow
+                    stream.send_window -= flow
                 self.s_conn -= flow
             q.popleft()
             self.queued -= flow
@@ -203,7 +204,7 @@ class Windows:
             else:
                 del self.qsids[sid]
             if frame[4] & END_STREAM and frame[3] in (DATA, HEADERS):
-                streams.pop(sid, None)
+                sending.pop(sid, None)
             out.append(frame)
         return out
 
