@@ -291,7 +291,7 @@ def test_rewritten_call_answer_and_window_update_reach_the_client_in_one_write(r
     assert [(f[0], f[2]) for f in frames] == [(HEADERS, SID), (DATA, SID), (HEADERS, SID), (WINDOW_UPDATE, 0)]
     assert int.from_bytes(frames[3][3], "big") == sent_by_client
     # the client's view of the connection window equals the runtime's
-    assert conn.conn.windows.c_conn == conn.conn.windows.s_conn - conn.conn.windows.queued
+    assert conn.conn.windows.client_window == conn.conn.windows.upstream_window - conn.conn.windows.queued
     [(out_then, call)] = seen_at_finished
     assert out_then == bytes(client.out)  # the answer was written before finished() ran
     assert call.code == "OK" and call.request == message and call.responses == [response]

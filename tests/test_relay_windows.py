@@ -31,12 +31,12 @@ def test_a_raised_initial_window_counts_once_acknowledged_a_lowered_one_at_once(
 
 def test_the_clients_view_never_exceeds_what_the_server_allows():
     w = Windows()
-    w.s_conn -= 1000  # the relay sent 1000 bytes more than the client did (a rewrite grew)
+    w.upstream_window -= 1000  # the relay sent 1000 bytes more than the client did (a rewrite grew)
     assert not w.server_conn_update(500)  # cut: the client may not have any of it
-    assert w.grant() == 0 and w.c_conn == 65535
+    assert w.grant() == 0 and w.client_window == 65535
     assert not w.server_conn_update(100_000)  # cut to 99500
-    assert w.grant() == 99_500 and w.c_conn == w.s_conn
-    assert w.server_conn_update(10) and w.c_conn == w.s_conn  # passed on whole
+    assert w.grant() == 99_500 and w.client_window == w.upstream_window
+    assert w.server_conn_update(10) and w.client_window == w.upstream_window  # passed on whole
 
 
 def test_queued_data_goes_when_the_windows_take_it():
@@ -50,7 +50,7 @@ def test_queued_data_goes_when_the_windows_take_it():
     w.enqueue(3, b, 10)
     assert w.drain() == [a] and w.queued == 10
     three.send_window += 10
-    assert w.drain() == [b] and w.queued == 0 and 3 not in w.sending and not w.qsids
+    assert w.drain() == [b] and w.queued == 0 and 3 not in w.sending and not w.queued_streams
     w.own_stream(stream(5))
     w.enqueue(5, frame(DATA, 0, 5, b"z"), 1)
     w.forget(5)

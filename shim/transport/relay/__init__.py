@@ -60,24 +60,25 @@ ENHANCE_YOUR_CALM saying why, is closed and counted (``shed_limit``, ``shed_desc
 and the open connections go on being served.
 Frames and gRPC messages are read and built by ``shim.transport.wire``.
 
-Flow control. The relay only touches the client-to-server direction's windows, and only
-because of held streams (``windows.py``). It tracks the server's connection window (``s_conn``:
-what the relay may still send) and the client's view of it (``c_conn``). Bytes the client sends on a held
-stream never reach the server, so the relay gives them back to the client (connection and
-stream WINDOW_UPDATE) while holding, else a request larger than the window would stall until
-its deadline. The rewritten message (N' bytes instead of N) is then sent only within the
-server's windows (the stream's is tracked for held streams), and any client DATA that the
-server's window cannot take yet is queued. A raised SETTINGS_INITIAL_WINDOW_SIZE from the server
-counts for those stream windows only once the client's ACK of it has gone upstream (grpc-core
-resets a stream whose DATA exceeds the acknowledged window); a lowered one counts at once. Server WINDOW_UPDATEs on the connection are passed
-on only as far as the server's window exceeds what the client may already send plus what is
-queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
+Flow control. The relay only touches the client-to-server direction's windows, and only because
+of held streams (``windows.py``). It tracks the server's connection window
+(``upstream_window``: what the relay may still send) and the client's view of it
+(``client_window``). Bytes the client sends on a held stream never reach the server, so the
+relay gives them back to the client (connection and stream WINDOW_UPDATE) while holding, else a
+request larger than the window would stall until its deadline. The rewritten message (N' bytes
+instead of N) is then sent only within the server's windows (the stream's is tracked for held
+streams), and any client DATA that the server's window cannot take yet is queued. A raised
+SETTINGS_INITIAL_WINDOW_SIZE from the server counts for those stream windows only once the
+client's ACK of it has gone upstream (grpc-core resets a stream whose DATA exceeds the
+acknowledged window); a lowered one counts at once. Server WINDOW_UPDATEs on the connection are
+passed on only as far as the server's window exceeds what the client may already send plus what
+is queued (``room``), so the client's view never drifts above the server's; when ``room`` grows
 (held, dropped or cancelled bytes), the relay grants it to the client itself. The other
 direction's connection window is only counted (``Windows.to_client``), to refuse a client
-WINDOW_UPDATE that takes it past 2^31-1. Each open stream's windows are counted
-both ways, for the limits only (``Stream.up``, ``Stream.down``; ``limits.py``): client DATA beyond
-a stream's window and a WINDOW_UPDATE taking one past 2^31-1 reset that stream. Everything else
-is forwarded verbatim: what the relay does not understand, it does not touch.
+WINDOW_UPDATE that takes it past 2^31-1. Each open stream's windows are counted both ways, for
+the limits only (``Stream.up``, ``Stream.down``; ``limits.py``): client DATA beyond a stream's
+window and a WINDOW_UPDATE taking one past 2^31-1 reset that stream. Everything else is
+forwarded verbatim: what the relay does not understand, it does not touch.
 """
 from __future__ import annotations
 

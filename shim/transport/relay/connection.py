@@ -281,7 +281,7 @@ class Connection:
         units, pos, verbatim, need = self._scan_client(data, pos, n)
         if pos < n:
             incoming.keep(data, pos, n)
-        if verbatim and need <= self.windows.s_conn:
+        if verbatim and need <= self.windows.upstream_window:
             if pos:
                 out.to_upstream.append(data if pos == n else memoryview(data)[:pos])
                 if need:  # DATA to observe: after the write
@@ -307,7 +307,7 @@ class Connection:
         ended = table.ended
         win = self.windows
         sending = win.sending
-        qsids = win.qsids
+        queued_streams = win.queued_streams
         units = []
         verbatim = not win.queue
         need = 0
@@ -369,7 +369,7 @@ class Connection:
                             sending[sid] = stream
                             if flags & END_STREAM:
                                 verbatim = False
-                if sid in qsids:
+                if sid in queued_streams:
                     verbatim = False
             else:
                 if end - pos - 9 > max_frame:
@@ -382,9 +382,9 @@ class Connection:
                     self._client_settings(data, pos, end)
             units.append((ftype, flags, sid, pos, end))
             pos = end
-        if need > win.c_conn:
+        if need > win.client_window:
             raise H2Error(ERR_FLOW_CONTROL, "flow_control",
-                          f"{need} bytes of DATA beyond the connection window ({win.c_conn})")
+                          f"{need} bytes of DATA beyond the connection window ({win.client_window})")
         if stream_limits.stream_errors:
             verbatim = False
         return units, pos, verbatim, need
@@ -399,7 +399,7 @@ class Connection:
             elif ident == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise H2Error(ERR_FLOW_CONTROL, "window_overflow", f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
-                self.windows.c_over = MAX_WINDOW - value
+                self.windows.down_max = MAX_WINDOW - value
 
     def _observe_client(self, data: bytes, units: list, out: Output) -> None:
         """A chunk already written upstream unchanged: count its DATA, reassemble messages,
@@ -409,8 +409,8 @@ class Connection:
         for ftype, flags, sid, pos, end in units:
             if ftype == DATA:
                 length = end - pos - 9
-                win.c_conn -= length
-                win.s_conn -= length
+                win.client_window -= length
+                win.upstream_window -= length
                 stream = streams.get(sid)
                 if stream is not None:
                     too_big = stream.req.feed(data_payload(data, flags, pos, end) if flags & PADDED
@@ -446,7 +446,7 @@ class Connection:
             index += 1
             if ftype == DATA:
                 length = end - pos - 9
-                win.c_conn -= length
+                win.client_window -= length
                 stream = streams.get(sid)
                 if stream is not None and stream.hold is not None:
                     if out_start < pos:
@@ -471,15 +471,15 @@ class Connection:
                             out_start = end
                             table.too_big(stream, too_big, self.server.client_list(out), pending, out.events)
                             continue
-                    if win.queue or length > win.s_conn or sid in win.sending:
+                    if win.queue or length > win.upstream_window or sid in win.sending:
                         if out_start < pos:
                             pending.append(memoryview(data)[out_start:pos])
                         out_start = end
                         win.enqueue(sid, data[pos:end], length)
                     else:
-                        win.s_conn -= length
+                        win.upstream_window -= length
             elif ftype == HEADERS:
-                if sid in win.qsids:  # trailers behind queued DATA of the same stream
+                if sid in win.queued_streams:  # trailers behind queued DATA of the same stream
                     if out_start < pos:
                         pending.append(memoryview(data)[out_start:pos])
                     out_start = end
@@ -579,12 +579,12 @@ class Connection:
         win = self.windows
         if win.queue:
             out.to_upstream.extend(win.drain())
-        room = win.s_conn - win.queued - win.c_conn
+        room = win.upstream_window - win.queued - win.client_window
         if room <= 0 and not self.repay_streams:
             return  # nothing to give back (the usual case)
         frames = []
         if room > 0:
-            win.c_conn += room
+            win.client_window += room
             frames.append(window_update(0, room))
         streams = self.streams.open
         for sid, n in self.repay_streams.items():

@@ -313,7 +313,7 @@ class StreamLimits:
         stream = self.streams.open.get(sid)
         if stream is not None:
             stream.down += inc
-            if stream.down > win.c_over and sid not in self.streams.ended:
+            if stream.down > win.down_max and sid not in self.streams.ended:
                 self.stream_error(stream, f"a WINDOW_UPDATE of {inc} takes stream {sid}'s window past 2^31-1")
 
     def stream_error(self, stream, detail: str) -> None:

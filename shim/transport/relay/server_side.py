@@ -239,8 +239,8 @@ class ServerSide:
         stream = table.open.get(sid)
         if stream is not None:
             code = int.from_bytes(data[pos + 9:pos + 13], "big")
-            table.end(stream, RST_STATUS.get(code, "INTERNAL"), f"stream reset by the runtime (HTTP/2 error code {code})",
-                      out.events)
+            table.end(stream, RST_STATUS.get(code, "INTERNAL"),
+                      f"stream reset by the runtime (HTTP/2 error code {code})", out.events)
 
     def _settings(self, data: bytes, pos: int, end: int) -> None:
         initial = None

@@ -5,7 +5,7 @@ part of its own only because of held streams: bytes the client sends on a held s
 reach the server (the relay gives them back to the client while holding), and the rewritten
 message it sends instead (N' bytes for N) must fit the server's windows. So it tracks:
 
-* ``s_conn``: the server's connection window, what may still go upstream; ``c_conn``: the
+* ``upstream_window``: the server's connection window, what may still go upstream; ``client_window``: the
   client's view of it. The client's view never exceeds what the server allows minus what is
   queued: ``room`` is the difference the relay may grant the client itself.
 * the streams the relay sends DATA on itself (held, then re-sent: ``sending``), each with the
@@ -18,7 +18,7 @@ message it sends instead (N' bytes for N) must fit the server's windows. So it t
   values give the bounds of the client's stream windows (``Stream.up``, see ``limits.py``): the
   largest the client may be using (``peak``: acknowledged or not yet) for its DATA, the
   smallest (``initial``) for a WINDOW_UPDATE's overflow; and the client's own value starts
-  the windows it gives the server (``Stream.down``, at most ``c_over``).
+  the windows it gives the server (``Stream.down``, at most ``down_max``).
 * the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
   order, with the flow-controlled length of each entry.
 
@@ -34,12 +34,12 @@ DEFAULT_WINDOW = 65535
 
 
 class Windows:
-    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "peak", "c_over",
-                 "max_frame", "sending", "queue", "queued", "qsids")
+    __slots__ = ("upstream_window", "client_window", "to_client", "initial", "initial_acked", "settings_unacked",
+                 "peak", "down_max", "max_frame", "sending", "queue", "queued", "queued_streams")
 
     def __init__(self) -> None:
-        self.s_conn = DEFAULT_WINDOW
-        self.c_conn = DEFAULT_WINDOW
+        self.upstream_window = DEFAULT_WINDOW
+        self.client_window = DEFAULT_WINDOW
         # the other direction: what the server may still send the client on the connection (the
         # client's WINDOW_UPDATEs less the server's DATA), kept only to refuse a window past 2^31-1
         self.to_client = DEFAULT_WINDOW
@@ -52,14 +52,14 @@ class Windows:
         self.peak = DEFAULT_WINDOW
         # 2^31-1 less the client's own SETTINGS_INITIAL_WINDOW_SIZE (its latest), which the
         # runtime's stream windows start from: a ``Stream.down`` above it is a window past 2^31-1
-        self.c_over = MAX_WINDOW - DEFAULT_WINDOW
+        self.down_max = MAX_WINDOW - DEFAULT_WINDOW
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
         self.max_frame = 16384
         self.sending: dict = {}  # the streams the relay sends on itself, by id (their send_window)
         self.queue: deque = deque()  # (sid, frame, flow-controlled length)
         self.queued = 0
-        self.qsids: dict[int, int] = {}  # sid -> its entries in the queue
+        self.queued_streams: dict[int, int] = {}  # sid -> its entries in the queue
 
     # ---------------------------------------------------------------- SETTINGS
 
@@ -107,33 +107,34 @@ class Windows:
     def server_conn_update(self, inc: int) -> bool:
         """The server's connection WINDOW_UPDATE: True when the client may have all of it
         (forward the frame unchanged), False when it must be cut to ``grant()``."""
-        self.s_conn += inc
-        if self.s_conn > MAX_WINDOW:
-            raise H2Error(ERR_FLOW_CONTROL, "window_overflow", "a connection WINDOW_UPDATE past 2^31-1 from the runtime")
-        if self.s_conn - self.queued - self.c_conn >= inc:
-            self.c_conn += inc
+        self.upstream_window += inc
+        if self.upstream_window > MAX_WINDOW:
+            raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
+                          "a connection WINDOW_UPDATE past 2^31-1 from the runtime")
+        if self.upstream_window - self.queued - self.client_window >= inc:
+            self.client_window += inc
             return True
         return False
 
     def grant(self) -> int:
         """What the client may send beyond its view (``room``), now counted as granted."""
-        room = self.s_conn - self.queued - self.c_conn
+        room = self.upstream_window - self.queued - self.client_window
         if room > 0:
-            self.c_conn += room
+            self.client_window += room
             return room
         return 0
 
     def take(self, sid: int, n: int) -> bool:
         """``n`` bytes of the relay's own DATA on ``sid`` go now if nothing is queued and both
         windows take them (then counted); else False."""
-        if self.queue or n > self.s_conn:
+        if self.queue or n > self.upstream_window:
             return False
         stream = self.sending.get(sid)
         if stream is not None:
             if n > stream.send_window:
                 return False
             stream.send_window -= n
-        self.s_conn -= n
+        self.upstream_window -= n
         return True
 
     def send_owned(self, sid: int, payload: bytes, end_stream: int, to_upstream: list) -> None:
@@ -165,11 +166,11 @@ class Windows:
     def enqueue(self, sid: int, frame: bytes, flow: int) -> None:
         self.queue.append((sid, frame, flow))
         self.queued += flow
-        self.qsids[sid] = self.qsids.get(sid, 0) + 1
+        self.queued_streams[sid] = self.queued_streams.get(sid, 0) + 1
 
     def forget(self, sid: int) -> None:
         """Stream ``sid`` ended: its queued frames are dropped, its window forgotten."""
-        if sid in self.qsids:
+        if sid in self.queued_streams:
             keep = deque()
             for entry in self.queue:
                 if entry[0] == sid:
@@ -177,7 +178,7 @@ class Windows:
                 else:
                     keep.append(entry)
             self.queue = keep
-            del self.qsids[sid]
+            del self.queued_streams[sid]
         self.sending.pop(sid, None)
 
     def drain(self) -> list[bytes]:
@@ -188,21 +189,21 @@ class Windows:
         while q:
             sid, frame, flow = q[0]
             if flow:
-                if flow > self.s_conn:
+                if flow > self.upstream_window:
                     break
                 stream = sending.get(sid)
                 if stream is not None:
                     if flow > stream.send_window:
                         break
                     stream.send_window -= flow
-                self.s_conn -= flow
+                self.upstream_window -= flow
             q.popleft()
             self.queued -= flow
-            left = self.qsids[sid] - 1
+            left = self.queued_streams[sid] - 1
             if left:
-                self.qsids[sid] = left
+                self.queued_streams[sid] = left
             else:
-                del self.qsids[sid]
+                del self.queued_streams[sid]
             if frame[4] & END_STREAM and frame[3] in (DATA, HEADERS):
                 sending.pop(sid, None)
             out.append(frame)
