@@ -12,8 +12,8 @@ What it is made of: the streams (``stream.py``: each ``Stream`` its own state, h
 windows and reassembled messages, in a ``StreamTable``), the client-to-server windows
 (``windows.py``), what each peer sent that is not complete yet and the HTTP/2 limits
 (``limits.py``), the runtime's side (``server_side.py``: ``ServerSide``), the refusal server
-when the runtime cannot be reached (``refuse.py``: ``Refusal``). The relay-wide budget of held
-bytes (``HoldBudget``) is passed in and charged here.
+when the runtime cannot be reached (``refuse.py``: ``Refusal``). It charges held bytes to the
+relay-wide ``HoldBudget`` it is given.
 
 The client's side is here. A chunk is scanned once: header blocks are decoded (new calls), and
 the chunk is classified. When it can go upstream as it is -- the common case: no DATA of a
@@ -35,7 +35,7 @@ from shim.transport.relay.events import CLOSED, HeldRequest, LimitHit, NotRewrit
 from shim.transport.relay.limits import ClientFrames, H2Limits, ResetRate, StreamLimits, check_unit
 from shim.transport.relay.refuse import Refusal
 from shim.transport.relay.server_side import ServerSide
-from shim.transport.relay.stream import HoldBudget, Stream, StreamSettings, StreamTable
+from shim.transport.relay.stream import HoldBudget, Stream, StreamSettings, StreamTable, over_cap
 from shim.transport.relay.windows import Windows
 from shim.transport.wire.grpc import decompress
 from shim.transport.wire.h2 import (
@@ -102,7 +102,7 @@ class Connection:
         return len(self.streams.open)
 
     @property
-    def awaiting_preface(self) -> bool:
+    def awaiting_preface(self) -> bool:  # the client's preface has not fully arrived
         return bool(self.client_frames.preface_left)
 
     def connected(self) -> None:
@@ -231,6 +231,9 @@ class Connection:
         if paused is None or self.mode != "relay":
             return out
         side = paused[0]
+        if side == "held":  # only send_request goes on from a held request
+            self.paused = paused
+            return out
         try:
             if side == "client":
                 self._observe_client(paused[1], paused[2], out)
@@ -522,20 +525,16 @@ class Connection:
                 self.streams.too_big(stream, declared, self.server.client_list(out), out.to_upstream, out.events)
                 return None
             if declared + 5 > settings.hold_max_bytes or budget.held + declared > budget.total:
-                self._unhold(stream, declared, self._over_cap(declared), end_stream, out)
+                self._unhold(stream, declared, over_cap(declared, settings, budget), end_stream, out)
                 return None
         elif size > settings.hold_max_bytes + 5:
-            self._unhold(stream, size, self._over_cap(size), end_stream, out)
+            self._unhold(stream, size, over_cap(size, settings, budget), end_stream, out)
             return None
         if end_stream:
             return self._end_hold(stream, out)
         if length:
             self.repay_streams[stream.sid] = self.repay_streams.get(stream.sid, 0) + length
         return None
-
-    def _over_cap(self, size: int) -> str:
-        return (f"a {size}-byte message is above the hold cap ({self.settings.hold_max_bytes} "
-                f"bytes each, {self.budget.total} bytes at once)")
 
     def _unhold(self, stream: Stream, size: int, why: str, end_stream: int, out: Output) -> None:
         """Fail open: stop holding, send what was held unchanged; the rest of the stream's DATA

@@ -67,6 +67,12 @@ class HoldBudget:
         self.held = 0
 
 
+def over_cap(size: int, settings: StreamSettings, budget: HoldBudget) -> str:
+    """Why a held request of ``size`` bytes goes upstream unchanged: the hold's caps."""
+    return (f"a {size}-byte message is above the hold cap ({settings.hold_max_bytes} bytes each, "
+            f"{budget.total} bytes at once)")
+
+
 class Stream(RpcCall):
     """A stream the client opened: the call's ``RpcCall`` (the hooks get this object itself:
     ``rewrite`` and ``finished`` see the same one) with what the relay keeps of the stream.
