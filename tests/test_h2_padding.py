@@ -13,8 +13,8 @@ import logging
 import hpack
 import pytest
 
-from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS
-from shim.transport.relay import PREFACE, Buffer, Connection, RelayProxy
+from shim.cri.methods import CREATE_CONTAINER
+from shim.transport.relay import PREFACE, Closed
 from shim.transport.wire.h2 import (
     DATA,
     END_HEADERS,
@@ -28,6 +28,11 @@ from shim.transport.wire.h2 import (
     frame,
     header_block,
 )
+
+try:
+    from tests.relay_driver import new_driver
+except ImportError:
+    from relay_driver import new_driver
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 
@@ -48,12 +53,8 @@ class _Held:
 
 
 def _connection():
-    relay = RelayProxy("unix:///nonexistent/shim.sock", "unix:///nonexistent/rt.sock", _Held(), methods=CRI_METHODS)
-    relay.trim_soon = lambda: None  # needs an event loop
-    client, upstream = Buffer(), Buffer()
-    conn = Connection(relay, client)
-    conn.relay_to(upstream)
-    return conn, relay, client, upstream
+    driver = new_driver(_Held())
+    return driver, None, driver.client, driver.upstream
 
 
 @contextlib.contextmanager
@@ -96,7 +97,7 @@ def test_bad_padding_from_the_client_is_a_protocol_error(what, bad, method):
         conn.from_client(PREFACE + frame(SETTINGS, 0, 0) + opening)
         conn.from_client(bad(1))  # alone in its read: nothing follows the frame in the buffer
     assert not errors, [r.getMessage() for r in errors]
-    assert conn.mode == "closed"
+    assert conn.conn.mode == "closed" and conn.of(Closed)
 
 
 @pytest.mark.parametrize("what,bad", BAD_PADDING, ids=[b[0] for b in BAD_PADDING])
@@ -111,7 +112,7 @@ def test_bad_padding_from_the_runtime_is_a_protocol_error(what, bad):
         conn.from_server(opening)
         conn.from_server(bad(1))
     assert not errors, [r.getMessage() for r in errors]
-    assert conn.mode == "closed"
+    assert conn.conn.mode == "closed" and conn.of(Closed)
 
 
 @pytest.mark.parametrize("what,bad", BAD_PADDING, ids=[b[0] for b in BAD_PADDING])

@@ -205,3 +205,15 @@ def test_nothing_in_the_shim_imports_grpcio():
             if any(n == "grpc" or n.startswith("grpc.") for n in names):
                 found.add(rel(p))
     assert found == GRPC_USERS
+
+
+def test_a_held_create_container_walks_few_modules_and_rarely_back():
+    """The request side of a rewritten CreateContainer, from the relay's data_received until it
+    returns (``memqos_dev/tools/call_walk.py``, the rewrite hook counted as one module): at most
+    10 modules, at most 2 calls back into a module already left. A callback into the owner,
+    two halves of one class calling each other or a frame generator resumed between other
+    modules each add returns."""
+    from memqos_dev.tools.call_walk import walk
+
+    result = walk(hook_as_one=True)
+    assert result["modules"] <= 10 and result["returns"] <= 2, result["walk"]

@@ -332,7 +332,7 @@ def test_many_concurrent_held_streams_and_the_relay_wide_budget(loop, base):
     assert rewritten, "no held stream was rewritten"
     for r, resp in zip(creates, results):
         assert resp == response_bytes(CREATE_CONTAINER, added(CREATE_CONTAINER, r) if r in rewritten else r)
-    assert s.relay.held_total == 0
+    assert s.relay.hold_budget.held == 0
 
 
 def test_frames_split_across_reads_both_ways(loop, base):

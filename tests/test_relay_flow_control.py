@@ -8,8 +8,8 @@ raised SETTINGS_INITIAL_WINDOW_SIZE in the middle of the relay's re-send, the re
 increase at once, and the DATA it sent before the kubelet's SETTINGS ACK reached the runtime
 overflowed the stream's acknowledged window: RST_STREAM PROTOCOL_ERROR, CreateContainer failed.
 
-No sockets: a sans-I/O ``Connection`` is fed bytes as its two asyncio protocols would feed them, and
-what it writes each way is parsed back into frames.
+No sockets: a sans-I/O ``Connection`` is fed bytes as its two asyncio protocols would feed them
+(``tests/relay_driver.py``), and what it returns for each side is parsed back into frames.
 """
 from __future__ import annotations
 
@@ -32,12 +32,14 @@ from shim.transport.wire.h2 import (
     setting,
     window_update,
 )
-from shim.cri.methods import CREATE_CONTAINER, CRI_METHODS
-from shim.transport.relay import PREFACE, Buffer, Connection, RelayProxy
+from shim.cri.methods import CREATE_CONTAINER
+from shim.transport.relay import PREFACE
 
 try:
+    from tests.relay_driver import Buffer, new_driver
     from tests.test_relay import Hooks, added, request_for
 except ImportError:
+    from relay_driver import Buffer, new_driver
     from test_relay import Hooks, added, request_for
 
 SID = 1
@@ -142,15 +144,12 @@ def create_container_call(message: bytes, sid: int = SID, encoder: hpack.Encoder
     return frame(HEADERS, END_HEADERS, sid, block), data
 
 
-def new_connection(base: str, **relay_kw):
+def new_connection(base: str = "", **relay_kw):
+    """A driven Connection (``relay_driver.Driver``) with hooks that add a field to each held
+    request: (driver, what the client got, what went upstream, the hooks)."""
     hooks = Hooks(added)
-    relay = RelayProxy(f"unix://{base}/shim.sock", f"unix://{base}/runtime.sock", hooks, methods=CRI_METHODS,
-                       **relay_kw)
-    relay.trim_soon = lambda: None  # after a large call; RelayProxy's needs an event loop
-    client, upstream = Buffer(), Buffer()
-    conn = Connection(relay, client)
-    conn.relay_to(upstream)
-    return conn, client, upstream, hooks
+    driver = new_driver(hooks, **relay_kw)
+    return driver, driver.client, driver.upstream, hooks
 
 
 @pytest.fixture
@@ -292,7 +291,7 @@ def test_rewritten_call_answer_and_window_update_reach_the_client_in_one_write(r
     assert [(f[0], f[2]) for f in frames] == [(HEADERS, SID), (DATA, SID), (HEADERS, SID), (WINDOW_UPDATE, 0)]
     assert int.from_bytes(frames[3][3], "big") == sent_by_client
     # the client's view of the connection window equals the runtime's
-    assert conn.windows.c_conn == conn.windows.s_conn - conn.windows.queued
+    assert conn.conn.windows.client_window == conn.conn.windows.upstream_window - conn.conn.windows.queued
     [(out_then, call)] = seen_at_finished
     assert out_then == bytes(client.out)  # the answer was written before finished() ran
     assert call.code == "OK" and call.request == message and call.responses == [response]

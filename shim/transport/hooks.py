@@ -46,7 +46,7 @@ class MethodShape(Protocol):
 @dataclass(slots=True)
 class RpcCall:
     """One RPC through the proxy, the one call object of the shim: created by the transport
-    when the call starts (the relay's per-stream ``Call`` is this record with the relay's own
+    when the call starts (the relay's per-stream ``Stream`` is this record with the relay's own
     fields added) or ends, given to ``rewrite`` and, completed, to ``finished``; shaped like a
     line of the trace format. ``rewritten`` belongs to the rewrite hook (one typed record,
     ``shim.cri.rewritten.Rewritten``): the transport never reads it."""

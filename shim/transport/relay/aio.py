@@ -1,11 +1,18 @@
-"""The asyncio layer of the relay: sockets in, ``Connection`` fed, its writes to the sockets.
+"""The asyncio layer of the relay: sockets in, ``Connection`` fed, its ``Output`` acted on.
 
 ``RelayProxy`` listens on the CRI socket (``listener.py`` accepts); each kubelet connection below
 ``max_connections`` gets its upstream socket at once (a connection is taken only with both of
 its descriptors: what cannot be paired, or is one too many, is sent GOAWAY, closed and counted)
 and a ``_ClientSide`` protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands
-both transports' bytes to the connection's sans-I/O ``Connection``, whose writers are the
-transports themselves (no copy in between). What it keeps for itself: what the kubelet sends
+both transports' bytes to the connection's sans-I/O ``Connection``. What the connection returns
+is done here (``_ClientSide.act``): its writes go to the transports as they are (the pieces are
+the bytes read or views of them: no copy in between), then its events -- ``HeldRequest``: the
+hooks' ``rewrite`` (guarded: the original bytes when it fails) handed back with
+``send_request``; ``CallEnded``: the hooks' ``finished``; ``NotRewritten``: logged and told to
+the hooks; ``LimitHit``: counted; ``TrimHeap``: ``trim_heap`` a second later; ``Closed``: both
+sockets closed -- and a paused connection is resumed once its writes are out. The relay-wide
+budget of held bytes (``HoldBudget``) is one object every connection is given. What it keeps
+for itself: what the kubelet sends
 while the upstream connects (reading paused beyond ``READ_PAUSE_BYTES``), the switch to the
 refusal server when the runtime cannot be reached (and closing an idle refused connection
 after ``REFUSED_IDLE_CLOSE``), back-pressure (a side that cannot write pauses the other's
@@ -14,6 +21,7 @@ reading), closing, and giving freed heap memory back (``trim_heap``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -24,14 +32,14 @@ from shim.transport.hooks import STREAM_RECORD_MAX_BYTES, STREAM_RECORD_MAX_MESS
 from shim.transport.hooks import (
     CallHooks,
     MethodShape,
-    RpcCall,
     guarded_finished,
     guarded_not_rewritten,
     guarded_rewrite,
     unary_shapes,
 )
-from shim.transport.relay.calls import request_reader
 from shim.transport.relay.connection import Connection
+from shim.transport.relay.events import CallEnded, Closed, HeldRequest, LimitHit, NotRewritten, Output, TrimHeap
+from shim.transport.relay.stream import HoldBudget, StreamSettings, request_reader
 from shim.transport.relay.limits import LIMIT_NAMES, LIMIT_OUTCOMES, H2Limits
 from shim.transport.relay.listener import OUT_OF_DESCRIPTORS, Listener
 from shim.transport.wire.h2 import GOAWAY, PREFACE, SETTINGS, frame
@@ -93,8 +101,7 @@ class _ClientSide(asyncio.Protocol):
         relay = self.relay
         self.made = True
         relay.pending -= 1
-        self.conn = Connection(self.relay, transport)
-        self.conn.on_closed = self._closed
+        self.conn = Connection(relay.stream_settings, relay.limits, relay.hold_budget)
         relay.connections.add(self)
         if relay.stopping:
             self.drop_upstream_sock()
@@ -111,7 +118,7 @@ class _ClientSide(asyncio.Protocol):
         if self.active:
             self.active = asyncio.get_running_loop().time()
         if self.early is None:
-            self.conn.from_client(data)
+            self.act(self.conn.receive_client(data))
             return
         self.early.append(data)
         self.early_bytes += len(data)
@@ -123,7 +130,55 @@ class _ClientSide(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc) -> None:
-        self.conn.close("CANCELLED", "")
+        self.act(self.conn.close("CANCELLED", ""))
+
+    def act(self, out: Output) -> None:
+        """Do what the connection returned: its writes, then its events; hand a held request's
+        rewrite back, resume a paused connection, until it has nothing more to say."""
+        while True:
+            pieces = out.to_upstream
+            if pieces:  # only once connected: the connection sends nothing upstream before
+                if len(pieces) == 1:
+                    self.upstream.write(pieces[0])
+                else:
+                    self.upstream.writelines(pieces)
+            pieces = out.to_client
+            if pieces:
+                if len(pieces) == 1:
+                    self.client.write(pieces[0])
+                else:
+                    self.client.writelines(pieces)
+            if out.events:
+                out = self._events(out.events)
+                if out is None:
+                    return
+            elif out.paused:
+                out = self.conn.resume()
+            else:
+                return
+
+    def _events(self, events: list) -> Output | None:
+        """Act on the events of an Output whose writes went out; the connection's next Output
+        when it asked for one (a held request's rewrite handed back, a pause), else None."""
+        relay = self.relay
+        conn = self.conn
+        for event in events:
+            kind = type(event)
+            if kind is CallEnded:
+                guarded_finished(relay.hooks, event.call, relay.finished_failed)
+            elif kind is HeldRequest:  # the last event
+                stream = event.stream
+                return conn.send_request(stream, guarded_rewrite(relay.hooks, stream, relay.rewrite_failed))
+            elif kind is NotRewritten:
+                relay.not_rewritten(event)
+            elif kind is LimitHit:
+                relay.limit_hit(event.name, event.detail)
+            elif kind is TrimHeap:
+                relay.trim_soon()
+            elif kind is Closed:  # the last event
+                self._closed()
+                return None
+        return conn.resume() if conn.out.paused else None
 
     def drop_upstream_sock(self) -> None:
         sock, self.upstream_sock = self.upstream_sock, None
@@ -148,7 +203,7 @@ class _ClientSide(asyncio.Protocol):
             if self.conn.mode == "closed":
                 return
             details = f"memqos-shim: cannot reach the runtime at unix://{self.relay.upstream_path}: {e}"
-            self.conn.refuse(details)
+            self.act(self.conn.refuse(details))
             self.relay.upstream_down(details)
             self._feed_early()
             if self.conn.mode == "refuse":
@@ -172,13 +227,13 @@ class _ClientSide(asyncio.Protocol):
             transport.close()
             return
         self.upstream = transport
-        self.conn.relay_to(transport)
+        self.conn.connected()
         self._feed_early()
 
     def _feed_early(self) -> None:
         early, self.early = self.early, None
         for chunk in early:
-            self.conn.from_client(chunk)
+            self.act(self.conn.receive_client(chunk))
         if self.paused:
             self.paused = False
             self.client.resume_reading()
@@ -188,9 +243,9 @@ class _ClientSide(asyncio.Protocol):
         conn = self.conn
         if self.early is not None and self.early_bytes >= len(PREFACE):
             return  # the upstream is still connecting: the Connection checks the preface when fed
-        if conn.mode != "closed" and conn.preface_left:
+        if conn.mode != "closed" and conn.awaiting_preface:
             self.relay.limit_hit("preface_timeout", f"no HTTP/2 preface after {self.relay.limits.preface_timeout:g} s")
-            conn.close("CANCELLED", "memqos-shim: no HTTP/2 preface")
+            self.act(conn.close("CANCELLED", "memqos-shim: no HTTP/2 preface"))
 
     def _idle_due(self) -> None:
         """With an idle timeout: a connection without an open stream or a byte for that long is
@@ -201,27 +256,33 @@ class _ClientSide(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         idle = self.relay.limits.idle_timeout
         due = self.active + idle
-        if conn.streams or due > loop.time():
+        if conn.open_calls or due > loop.time():
             loop.call_later(max(due - loop.time(), idle / 10), self._idle_due)
             return
         self.relay.limit_hit("idle_timeout", f"no stream and no byte for {idle:g} s")
-        conn.goaway()
-        conn.close("CANCELLED", "memqos-shim: idle connection closed")
+        self.act(conn.goaway())
+        self.act(conn.close("CANCELLED", "memqos-shim: idle connection closed"))
 
     def _refused_idle(self) -> None:
-        if not self.conn.close_refused_idle():
+        out = self.conn.close_refused_idle()
+        if out is None:
             asyncio.get_running_loop().call_later(REFUSED_IDLE_CLOSE, self._refused_idle)
+        else:
+            self.act(out)
 
     def upstream_lost(self, exc) -> None:
         if self.conn.mode == "closed":
             return
         detail = f": {exc}" if exc else ""
-        self.conn.close("UNAVAILABLE", f"memqos-shim: the runtime closed the connection{detail}")
+        self.act(self.conn.close("UNAVAILABLE", f"memqos-shim: the runtime closed the connection{detail}"))
 
     # ------------------------------------------------------------------------ the end
 
+    def goaway(self) -> None:
+        self.act(self.conn.goaway())
+
     def abort(self) -> None:
-        self.conn.close("CANCELLED", "memqos-shim stopped")
+        self.act(self.conn.close("CANCELLED", "memqos-shim stopped"))
 
     def _closed(self) -> None:
         self.relay.connections.discard(self)
@@ -245,9 +306,10 @@ class _UpstreamSide(asyncio.Protocol):
         self.side.upstream_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.side.active:
-            self.side.active = asyncio.get_running_loop().time()
-        self.conn.from_server(data)
+        side = self.side
+        if side.active:
+            side.active = asyncio.get_running_loop().time()
+        side.act(self.conn.receive_server(data))
 
     def eof_received(self):
         return False
@@ -279,8 +341,7 @@ def _resume(transport) -> None:
 
 
 class RelayProxy:
-    """Serve the CRI on ``listen`` and relay every connection to ``upstream`` (same interface
-    as ``shim.transport.proxy.CriProxy``). ``methods``: the method table (which methods are
+    """Serve the CRI on ``listen`` and relay every connection to ``upstream``. ``methods``: the method table (which methods are
     unary); the methods held for the rewrite are the hooks' ``held_methods``."""
 
     def __init__(
@@ -318,10 +379,11 @@ class RelayProxy:
                                                                            "GOAWAY once HTTP/2 had started)"))
                             for name in LIMIT_NAMES}
         self.hooks = hooks
-        self.held_methods = frozenset(hooks.held_methods)
-        self.request_info = request_reader(unary_shapes(methods))
-        self.stream_record_max_messages = STREAM_RECORD_MAX_MESSAGES
-        self.stream_record_max_bytes = STREAM_RECORD_MAX_BYTES
+        self.stream_settings = StreamSettings(
+            held_methods=frozenset(hooks.held_methods), request_info=request_reader(unary_shapes(methods)),
+            max_message_bytes=max_message_bytes, hold_max_bytes=hold_max_bytes,
+            stream_record_max_messages=STREAM_RECORD_MAX_MESSAGES, stream_record_max_bytes=STREAM_RECORD_MAX_BYTES)
+        self.hold_budget = HoldBudget(hold_total_bytes)  # the bytes held at once, over every connection
         self.connections: set[_ClientSide] = set()
         self.pending = 0  # accepted connections whose transport is not made yet
         # connections sent GOAWAY and closed at once (public counters, read by the metrics):
@@ -330,15 +392,14 @@ class RelayProxy:
         self.shed_limit = 0
         self.shed_descriptors = 0
         self.upstream_failures = 0  # kubelet connections whose runtime connection could not be made
-        self.held_total = 0
         self.stopping = False
         self._trim_pending = False
         self._listener: Listener | None = None
         self._accepting: set[asyncio.Future] = set()  # accepted sockets becoming transports
         self._socket_id: tuple[int, int] | None = None
         self._terminated: asyncio.Event | None = None
-        self._rewrite_failed = ThrottledLog("rewrite hook failed")
-        self._finished_failed = ThrottledLog("finished hook failed")
+        self.rewrite_failed = ThrottledLog("rewrite hook failed")
+        self.finished_failed = ThrottledLog("finished hook failed")
         self._skipped = ThrottledLog("not rewritten (fail-open)", level=logging.WARNING,
                                      outcome="the kubelet's bytes went upstream unchanged")
         self._down = ThrottledLog("runtime unreachable", level=logging.WARNING,
@@ -349,14 +410,25 @@ class RelayProxy:
         self._no_fds = ThrottledLog("out of file descriptors", level=logging.WARNING,
                                     outcome="it is sent GOAWAY and closed; the open ones are served")
 
-    # ----------------------------------------------------------------- hooks
+    # what a streaming call's record keeps (the recorder's limits, set by the wiring);
+    # connections made from then on take a new value
+    @property
+    def stream_record_max_messages(self) -> int:
+        return self.stream_settings.stream_record_max_messages
 
-    def rewritten(self, call: RpcCall) -> bytes:
-        """What goes upstream: the hook's bytes, or the original ones if the hook fails."""
-        return guarded_rewrite(self.hooks, call, self._rewrite_failed)
+    @stream_record_max_messages.setter
+    def stream_record_max_messages(self, value: int) -> None:
+        self.stream_settings = dataclasses.replace(self.stream_settings, stream_record_max_messages=value)
 
-    def finished(self, call: RpcCall) -> None:
-        guarded_finished(self.hooks, call, self._finished_failed)
+    @property
+    def stream_record_max_bytes(self) -> int:
+        return self.stream_settings.stream_record_max_bytes
+
+    @stream_record_max_bytes.setter
+    def stream_record_max_bytes(self, value: int) -> None:
+        self.stream_settings = dataclasses.replace(self.stream_settings, stream_record_max_bytes=value)
+
+    # ----------------------------------------------------------------- what connections report
 
     def trim_soon(self) -> None:
         """trim_heap() a second from now (once for a burst of large calls)."""
@@ -368,11 +440,10 @@ class RelayProxy:
         self._trim_pending = False
         trim_heap()
 
-    def hold_skipped(self, method: str, size: int, why: str = "") -> None:
-        reason = why or (f"a {size}-byte message is above the hold cap ({self.hold_max_bytes} "
-                         f"bytes each, {self.hold_total_bytes} bytes at once)")
-        self._skipped(method, reason)
-        guarded_not_rewritten(self.hooks, method, f"transport: {reason}", self._finished_failed)
+    def not_rewritten(self, event: NotRewritten) -> None:
+        """A held request went upstream unchanged (fail-open): logged, told to the hooks."""
+        self._skipped(event.method, event.why)
+        guarded_not_rewritten(self.hooks, event.method, f"transport: {event.why}", self.finished_failed)
 
     def limit_hit(self, name: str, detail: str) -> None:
         """A connection hit the HTTP/2 limit ``name`` (limits.py): counted and logged."""
@@ -462,10 +533,10 @@ class RelayProxy:
             for task in list(self._accepting):
                 task.cancel()
             for conn in list(self.connections):
-                conn.conn.goaway()
+                conn.goaway()
             if grace:
                 deadline = time.monotonic() + grace
-                while any(c.conn.streams for c in self.connections) and time.monotonic() < deadline:
+                while any(c.conn.open_calls for c in self.connections) and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
             for conn in list(self.connections):
                 conn.abort()

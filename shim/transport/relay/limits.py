@@ -19,18 +19,18 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
   GOAWAY FLOW_CONTROL_ERROR to the peer that broke it;
 * the same on a stream (``stream_flow_control``), a stream error: client DATA beyond the
   stream's window, a client WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR
-  to the client, CANCEL upstream, the stream's frames from there dropped: ``_stream_error``);
+  to the client, CANCEL upstream, the stream's frames from there dropped: ``StreamLimits``);
   the runtime's WINDOW_UPDATE taking it past 2^31-1 (RST_STREAM FLOW_CONTROL_ERROR upstream,
   INTERNAL to the client: ``server_side.py``). Each open call keeps its two windows less the
-  initial window they start from (``Call.up``: the runtime's WINDOW_UPDATEs and the relay's for
-  held DATA, less the client's DATA; ``Call.down``: the client's WINDOW_UPDATEs less the
+  initial window they start from (``Stream.up``: the runtime's WINDOW_UPDATEs and the relay's for
+  held DATA, less the client's DATA; ``Stream.down``: the client's WINDOW_UPDATEs less the
   runtime's DATA), so a SETTINGS_INITIAL_WINDOW_SIZE change moves every stream's window at once
   and the state goes with the call. The bounds are the most a compliant peer may use
   (``Windows``): client DATA against the largest initial window the client may be using (the
   acknowledged one or a newer one it may have applied on receipt), the runtime's
   WINDOW_UPDATEs against the smallest, the client's against its own latest value. A held
   request's DATA is bounded by the hold's caps instead while held; the runtime's window of a
-  stream the relay sends on itself is the relay's count of what it sent (``Windows.streams``);
+  stream the relay sends on itself is the relay's count of what it sent (``Stream.send_window``);
 * more RST_STREAM from the client than ``reset_rate`` per second over a burst of
   ``reset_burst`` (rapid reset): GOAWAY ENHANCE_YOUR_CALM;
 * more than ``max_concurrent_streams`` open streams: the new one is refused (RST_STREAM
@@ -40,8 +40,12 @@ keep in memory or work through on the way is bounded here (``H2Limits``, one per
   (only when set) one without an open stream or a byte either way for ``idle_timeout``
   seconds: closed (``aio.py``).
 
-Each time a limit is hit the owner's ``limit_hit(name, detail)`` is called (``RelayProxy``
-counts it in ``limit_hits`` and logs it, throttled).
+Here: ``H2Limits``, what arrives of each peer's frames kept and judged before it is complete
+(``ClientFrames``, ``ServerFrames``), the judgement of one complete unit (``check_unit``), the
+rapid-reset allowance (``ResetRate``) and the runtime's SETTINGS as the client gets them
+(``settings_for_client``). The connection applies the rest (``connection.py``: stream windows,
+concurrent streams; ``server_side.py``: the runtime's stream windows) and reports each hit as a
+``LimitHit`` event (``RelayProxy`` counts it in ``limit_hits`` and logs it, throttled).
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ from shim.transport.wire.h2 import (
     END_HEADERS,
     ERR_ENHANCE_YOUR_CALM,
     ERR_FLOW_CONTROL,
+    ERR_CANCEL,
     ERR_FRAME_SIZE,
     ERR_REFUSED_STREAM,
     HEADERS,
@@ -62,17 +67,18 @@ from shim.transport.wire.h2 import (
     SETTINGS_MAX_CONCURRENT_STREAMS,
     SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE,
+    PREFACE,
     H2Error,
+    ProtocolError,
     continuations,
     frame,
     frame_length,
-    goaway,
     joined,
     rst_stream,
     setting,
     settings_items,
-    ERR_CANCEL,
 )
+from shim.transport.relay.events import LimitHit, Output
 
 # the limits by the name their metric label and log line use
 LIMIT_NAMES = ("header_block", "continuations", "frame_size", "flow_control", "window_overflow",
@@ -110,96 +116,191 @@ def _walk(data, p: int, n: int | None = None) -> tuple[int, bool]:
     return p, done
 
 
-class Guarded:
-    """The part of ``Connection`` that applies ``H2Limits`` (``self.limits``) to the client's
-    bytes, and to the SETTINGS the runtime sends the client."""
+class ClientFrames:
+    """What the client sent that is not a complete unit yet (``tail``), judged as it arrives:
+    the preface (``preface_left`` bytes of it still to come), a frame above ``max_frame`` (the
+    SETTINGS_MAX_FRAME_SIZE the client was given) from its 9-byte header, a header block's size
+    and CONTINUATIONs walked frame by frame (``block``: walked so far, its size, its count)."""
 
-    def _client_bytes(self, data: bytes) -> bytes | None:
+    __slots__ = ("limits", "tail", "block", "max_frame", "preface_left")
+
+    def __init__(self, limits: H2Limits) -> None:
+        self.limits = limits
+        # it grows in place until the unit is whole, so a large frame arriving in many reads
+        # is copied once, not per read
+        self.tail = bytearray()
+        self.block: tuple[int, int, int] | None = None
+        self.max_frame = DEFAULT_MAX_FRAME
+        self.preface_left = len(PREFACE)
+
+    def join(self, data: bytes) -> bytes | None:
         """``data`` after the kept tail of earlier reads, or None while the tail's frame (or
         header block) is not complete: a header block is walked as it arrives, not rescanned."""
-        if self.c_block is not None:
-            buf = self.cbuf
+        if self.block is not None:
+            buf = self.tail
             buf += data
             lim = self.limits
-            scan, size, count = self.c_block
-            scan, size, count, done = continuations(buf, scan, len(buf), size, count, self.max_frame_in,
+            scan, size, count = self.block
+            scan, size, count, done = continuations(buf, scan, len(buf), size, count, self.max_frame,
                                                     lim.max_header_block, lim.max_continuations)
             if not done:
-                self.c_block = (scan, size, count)
+                self.block = (scan, size, count)
                 return None
-            self.c_block = None
-            self.cbuf = bytearray()
+            self.block = None
+            self.tail = bytearray()
             return bytes(buf)
-        data = joined(self.cbuf, data, not self.preface_left)
+        data = joined(self.tail, data, not self.preface_left)
         if data is not None:
-            self.cbuf = bytearray()
+            self.tail = bytearray()
         return data
 
-    def _client_tail(self, data: bytes, pos: int, n: int) -> None:
+    def keep(self, data: bytes, pos: int, n: int) -> None:
         """Keep ``data[pos:n]``, the start of a unit not complete yet, once its frame header
         passes the limits (frame size; a header block's CONTINUATIONs so far)."""
         if n - pos >= 9 and not self.preface_left:
             length = frame_length(data, pos)
-            if length > self.max_frame_in:
-                raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame (max {self.max_frame_in})")
+            if length > self.max_frame:
+                raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame (max {self.max_frame})")
             ftype = data[pos + 3]
             if (ftype == HEADERS or ftype == PUSH_PROMISE) and not data[pos + 4] & END_HEADERS \
                     and pos + 9 + length <= n:
                 lim = self.limits
-                scan, size, count, _ = continuations(data, pos + 9 + length, n, length, 0, self.max_frame_in,
+                scan, size, count, _ = continuations(data, pos + 9 + length, n, length, 0, self.max_frame,
                                                      lim.max_header_block, lim.max_continuations)
-                self.c_block = (scan - pos, size, count)
-        self.cbuf = bytearray(memoryview(data)[pos:n])
+                self.block = (scan - pos, size, count)
+        self.tail = bytearray(memoryview(data)[pos:n])
 
-    def _server_bytes(self, data: bytes) -> bytes | None:
-        """The runtime's side of ``_client_bytes``: a header block it sends in many reads is
-        walked as it arrives too (linear), though not limited (the runtime is not policed)."""
-        if self.s_block is not None:
-            buf = self.sbuf
+    def preface(self, data: bytes) -> int:
+        """The preface's bytes at the start of ``data`` (checked): how many."""
+        done = len(PREFACE) - self.preface_left
+        take = min(self.preface_left, len(data))
+        if data[:take] != PREFACE[done:done + take]:
+            raise ProtocolError("not an HTTP/2 connection preface")
+        self.preface_left -= take
+        return take
+
+
+class ServerFrames:
+    """The runtime's side of ``ClientFrames``: a header block it sends in many reads is walked
+    as it arrives too (linear), though not limited (the runtime is not policed)."""
+
+    __slots__ = ("tail", "block")
+
+    def __init__(self) -> None:
+        self.tail = bytearray()
+        self.block: int | None = None  # a header block at the start of the tail: walked so far
+
+    def join(self, data: bytes) -> bytes | None:
+        if self.block is not None:
+            buf = self.tail
             buf += data
-            scan, done = _walk(buf, self.s_block)
+            scan, done = _walk(buf, self.block)
             if not done:
-                self.s_block = scan
+                self.block = scan
                 return None
-            self.s_block = None
-            self.sbuf = bytearray()
+            self.block = None
+            self.tail = bytearray()
             return bytes(buf)
-        data = joined(self.sbuf, data, stream_data=True)
+        data = joined(self.tail, data, stream_data=True)
         if data is not None:
-            self.sbuf = bytearray()
+            self.tail = bytearray()
         return data
 
-    def _server_tail(self, data: bytes, pos: int, n: int) -> None:
+    def keep(self, data: bytes, pos: int, n: int) -> None:
         """Keep ``data[pos:n]``; a header block whose first frame is there is walked from now on."""
         if n - pos >= 9 and data[pos + 3] in (HEADERS, PUSH_PROMISE) and not data[pos + 4] & END_HEADERS:
             first_end = pos + 9 + frame_length(data, pos)
             if first_end <= n:
-                self.s_block = _walk(data, first_end, n)[0] - pos
-        self.sbuf = bytearray(memoryview(data)[pos:n])
+                self.block = _walk(data, first_end, n)[0] - pos
+        self.tail = bytearray(memoryview(data)[pos:n])
 
-    def _check_unit(self, data: bytes, ftype: int, flags: int, pos: int, end: int) -> None:
-        """A complete unit from the client that is larger than a frame may be, or a header block
-        in several frames: the frame size, the block's size and CONTINUATIONs."""
-        length = frame_length(data, pos)
-        if length > self.max_frame_in:
-            raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame (max {self.max_frame_in})")
-        if (ftype == HEADERS or ftype == PUSH_PROMISE) and not flags & END_HEADERS:
-            lim = self.limits
-            continuations(data, pos + 9 + length, end, length, 0, self.max_frame_in, lim.max_header_block,
-                          lim.max_continuations)
 
-    def _client_reset(self) -> None:
-        """A RST_STREAM from the client: within ``reset_rate`` per second over ``reset_burst``."""
+def check_unit(limits: H2Limits, max_frame: int, data: bytes, ftype: int, flags: int, pos: int, end: int) -> None:
+    """A complete unit from the client that is larger than a frame may be, or a header block in
+    several frames: the frame size, the block's size and CONTINUATIONs."""
+    length = frame_length(data, pos)
+    if length > max_frame:
+        raise H2Error(ERR_FRAME_SIZE, "frame_size", f"a {length}-byte frame (max {max_frame})")
+    if (ftype == HEADERS or ftype == PUSH_PROMISE) and not flags & END_HEADERS:
+        continuations(data, pos + 9 + length, end, length, 0, max_frame, limits.max_header_block,
+                      limits.max_continuations)
+
+
+class ResetRate:
+    """RST_STREAM from the client: within ``reset_rate`` per second over ``reset_burst``."""
+
+    __slots__ = ("limits", "tokens", "at")
+
+    def __init__(self, limits: H2Limits, now: float) -> None:
+        self.limits = limits
+        self.tokens = float(limits.reset_burst)
+        self.at = now
+
+    def reset(self, now: float) -> None:
         lim = self.limits
-        now = self.clock()
-        tokens = min(lim.reset_burst, self.reset_tokens + (now - self.reset_at) * lim.reset_rate) - 1
-        self.reset_at = now
+        tokens = min(lim.reset_burst, self.tokens + (now - self.at) * lim.reset_rate) - 1
+        self.at = now
         if tokens < 0:
             raise H2Error(ERR_ENHANCE_YOUR_CALM, "rapid_reset",
                           f"more than {lim.reset_rate:g} streams reset per second (burst {lim.reset_burst})")
-        self.reset_tokens = tokens
+        self.tokens = tokens
 
-    def _client_window_update(self, sid: int, inc: int) -> None:
+
+def settings_for_client(limits: H2Limits, data: bytes, pos: int, end: int, client: ClientFrames,
+                        first: bool) -> bytes | None:
+    """The runtime's SETTINGS as the client gets it: SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE and SETTINGS_MAX_CONCURRENT_STREAMS at most the relay's
+    limits (the last two added to the ``first`` SETTINGS when absent); None when unchanged. The
+    frame size the client is given is what ``client.max_frame`` allows from then on."""
+    caps = {SETTINGS_MAX_FRAME_SIZE: limits.max_frame_size, SETTINGS_MAX_HEADER_LIST_SIZE: limits.max_header_block,
+            SETTINGS_MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams}
+    out = []
+    seen = set()
+    changed = False
+    for ident, value in settings_items(data, pos + 9, end):
+        cap = caps.get(ident)
+        if cap is not None:
+            seen.add(ident)
+            if value > cap:
+                value = cap
+                changed = True
+            if ident == SETTINGS_MAX_FRAME_SIZE and value > client.max_frame:
+                client.max_frame = value
+        elif ident == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+            raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
+                          f"SETTINGS_INITIAL_WINDOW_SIZE {value} from the runtime")
+        out.append(setting(ident, value))
+    if first:
+        for ident in (SETTINGS_MAX_HEADER_LIST_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS):
+            if ident not in seen:
+                out.append(setting(ident, caps[ident]))
+                changed = True
+    if not changed:
+        return None
+    return frame(SETTINGS, 0, 0, b"".join(out))
+
+
+class StreamLimits:
+    """The limits on one client stream at a time: a stream beyond ``max_concurrent_streams``
+    (refused), a stream whose flow control the client broke (reset). Both are noted while a
+    chunk is scanned and settled once it is forwarded (``settle``): the connection and the other
+    streams go on."""
+
+    __slots__ = ("limits", "streams", "windows", "refused_sids", "stream_errors")
+
+    def __init__(self, limits: H2Limits, streams, windows) -> None:
+        self.limits = limits
+        self.streams = streams  # StreamTable
+        self.windows = windows
+        self.refused_sids: list[int] = []  # streams refused in the chunk at hand
+        self.stream_errors: list = []  # (stream, why): streams whose flow control the client broke
+
+    def refuse(self, sid: int) -> None:
+        """A stream opened beyond ``max_concurrent_streams``: its frames from here on are cut."""
+        self.streams.ended.add(sid)
+        self.refused_sids.append(sid)
+
+    def window_update(self, sid: int, inc: int) -> None:
         """A WINDOW_UPDATE from the client: what the runtime may send it stays <= 2^31-1, on the
         connection (else a connection error) and on a stream (else a stream error)."""
         win = self.windows
@@ -209,90 +310,45 @@ class Guarded:
                 raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
                               "a connection WINDOW_UPDATE past 2^31-1 from the client")
             return
-        call = self.streams.get(sid)
-        if call is not None:
-            call.down += inc
-            if call.down > win.c_over and sid not in self.ended:
-                self._stream_error(call, f"a WINDOW_UPDATE of {inc} takes stream {sid}'s window past 2^31-1")
+        stream = self.streams.open.get(sid)
+        if stream is not None:
+            stream.down += inc
+            if stream.down > win.down_max and sid not in self.streams.ended:
+                self.stream_error(stream, f"a WINDOW_UPDATE of {inc} takes stream {sid}'s window past 2^31-1")
 
-    def _stream_error(self, call, detail: str) -> None:
+    def stream_error(self, stream, detail: str) -> None:
         """The client broke a stream's flow control (RFC 9113 6.9.1: a stream error): its DATA and
         WINDOW_UPDATEs from here on are dropped (``ended``), and once the chunk is forwarded the
-        stream is reset both ways (``_reset_streams``)."""
-        self.ended.add(call.sid)
-        if call.hold is not None:
-            self._drop_hold(call)  # nothing of it goes upstream
-        self.stream_errors.append((call, detail))
+        stream is reset both ways."""
+        self.streams.ended.add(stream.sid)
+        if stream.hold is not None:
+            self.streams.drop_hold(stream)  # nothing of it goes upstream
+        self.stream_errors.append((stream, detail))
 
-    def _reset_streams(self) -> None:
-        """The streams of the last chunk that broke flow control: RST_STREAM CANCEL upstream,
-        RST_STREAM FLOW_CONTROL_ERROR to the client, the call ended (INTERNAL); the connection
-        and the other streams go on."""
+    def settle(self, out: Output, to_client: list) -> None:
+        """After the chunk: refused streams get RST_STREAM CANCEL upstream and REFUSED_STREAM to
+        the client; streams that broke flow control RST_STREAM CANCEL upstream, FLOW_CONTROL_ERROR
+        to the client, their calls ended (INTERNAL). Each a ``LimitHit``."""
+        table = self.streams
+        if self.refused_sids:
+            sids, self.refused_sids = self.refused_sids, []
+            out.to_upstream.append(b"".join(rst_stream(sid, ERR_CANCEL) for sid in sids))
+            to_client.append(b"".join(rst_stream(sid, ERR_REFUSED_STREAM) for sid in sids))
+            out.events.append(LimitHit("concurrent_streams", f"{len(sids)} stream(s) refused beyond "
+                                       f"{self.limits.max_concurrent_streams} open"))
+        if not self.stream_errors:
+            return
         errors, self.stream_errors = self.stream_errors, []
-        up, down = [], []
-        for call, detail in errors:
-            if call.done:  # ended in the same chunk (the client reset it, a message too large)
+        down = []
+        for stream, detail in errors:
+            if stream.done:  # ended in the same chunk (the client reset it, a message too large)
                 continue
-            up.append(rst_stream(call.sid, ERR_CANCEL))
-            down.append(rst_stream(call.sid, ERR_FLOW_CONTROL))
-            self._ended(call.sid)
-            self.windows.forget(call.sid)  # DATA of it still queued for the runtime's windows
-            self.relay.limit_hit("stream_flow_control", f"the client: {detail}")
-            self._finish(call, "INTERNAL", f"memqos-shim: the kubelet broke HTTP/2 flow control: {detail}")
-        if up:
-            self.upstream.write(b"".join(up))
-            self._to_client(b"".join(down))
-
-    def _refuse_streams(self) -> None:
-        """Streams opened beyond ``max_concurrent_streams`` in the last chunk: their HEADERS went
-        upstream (the HPACK state), now RST_STREAM CANCEL upstream, REFUSED_STREAM to the client."""
-        sids, self.refused_sids = self.refused_sids, []
-        self.upstream.write(b"".join(rst_stream(sid, ERR_CANCEL) for sid in sids))
-        self._to_client(b"".join(rst_stream(sid, ERR_REFUSED_STREAM) for sid in sids))
-        self.relay.limit_hit("concurrent_streams",
-                             f"{len(sids)} stream(s) refused beyond {self.limits.max_concurrent_streams} open")
-
-    def _limit_broken(self, side: str, e: H2Error) -> None:
-        """``side`` went past a limit: GOAWAY with the error code to it, the connection closed."""
-        self.relay.limit_hit(e.limit, f"the {side}: {e}")
-        if side == "client":
-            if not self.s_data_left:  # never inside a DATA frame partly forwarded
-                self.client.write(goaway(self.last_client_sid, e.code))
-        elif self.upstream is not None:
-            self.upstream.write(goaway(0, e.code))
-        self.close("CANCELLED" if side == "client" else "UNAVAILABLE",
-                   f"memqos-shim: HTTP/2 limit on the {side} side: {e}")
-
-    def _server_settings_frame(self, data: bytes, pos: int, end: int) -> bytes | None:
-        """The runtime's SETTINGS as the client gets it: SETTINGS_MAX_FRAME_SIZE,
-        SETTINGS_MAX_HEADER_LIST_SIZE and SETTINGS_MAX_CONCURRENT_STREAMS at most the relay's
-        limits (the last two added to the first SETTINGS when absent); None when unchanged."""
-        lim = self.limits
-        caps = {SETTINGS_MAX_FRAME_SIZE: lim.max_frame_size, SETTINGS_MAX_HEADER_LIST_SIZE: lim.max_header_block,
-                SETTINGS_MAX_CONCURRENT_STREAMS: lim.max_concurrent_streams}
-        out = []
-        seen = set()
-        changed = False
-        for ident, value in settings_items(data, pos + 9, end):
-            cap = caps.get(ident)
-            if cap is not None:
-                seen.add(ident)
-                if value > cap:
-                    value = cap
-                    changed = True
-                if ident == SETTINGS_MAX_FRAME_SIZE and value > self.max_frame_in:
-                    self.max_frame_in = value
-            elif ident == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
-                raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
-                              f"SETTINGS_INITIAL_WINDOW_SIZE {value} from the runtime")
-            out.append(setting(ident, value))
-        if not self.server_settings_seen:
-            self.server_settings_seen = True
-            for ident in (SETTINGS_MAX_HEADER_LIST_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS):
-                if ident not in seen:
-                    out.append(setting(ident, caps[ident]))
-                    changed = True
-        if not changed:
-            return None
-        return frame(SETTINGS, 0, 0, b"".join(out))
-
+            out.to_upstream.append(rst_stream(stream.sid, ERR_CANCEL))
+            down.append(rst_stream(stream.sid, ERR_FLOW_CONTROL))
+            table.relay_ended(stream.sid)
+            self.windows.forget(stream.sid)  # DATA of it still queued for the runtime's windows
+            out.events.append(LimitHit("stream_flow_control", f"the client: {detail}"))
+            table.end(stream, "INTERNAL", f"memqos-shim: the kubelet broke HTTP/2 flow control: {detail}",
+                      out.events)
+        if down:
+            to_client.append(b"".join(down))

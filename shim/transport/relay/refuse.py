@@ -1,4 +1,4 @@
-"""The refusal server: the part of ``Connection`` that answers when the runtime cannot be reached.
+"""The refusal server: ``Refusal``, what answers a connection when the runtime cannot be reached.
 
 A minimal HTTP/2 server side: SETTINGS and PING acknowledged, every call answered with a
 trailers-only UNAVAILABLE once its request has ended (the request is still observed, so
@@ -7,7 +7,7 @@ answered -- so the kubelet's next call opens a new connection and tries the runt
 """
 from __future__ import annotations
 
-from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, HeaderListTooLarge, HpackError, literal
+from shim.transport.relay.events import Output
 from shim.transport.wire.grpc import percent_encode
 from shim.transport.wire.h2 import (
     ACK,
@@ -28,65 +28,80 @@ from shim.transport.wire.h2 import (
     header_block,
     window_update,
 )
+from shim.transport.wire.hpack import CONTENT_TYPE_GRPC, STATUS_200, HeaderListTooLarge, HpackError, literal
 
 
-class Refusing:
-    def _refuse(self, data: bytes) -> None:
-        if self.cbuf:
-            data = self._client_bytes(data)  # limits.py
+class Refusal:
+    """Answers the client's calls UNAVAILABLE with ``details``, on the connection's streams
+    (``StreamTable``), what the client sent so far (``ClientFrames``) and its request decoder."""
+
+    __slots__ = ("details", "streams", "incoming", "decoder", "answered")
+
+    def __init__(self, details: str, streams, incoming, decoder) -> None:
+        self.details = details
+        self.streams = streams
+        self.incoming = incoming
+        self.decoder = decoder
+        self.answered = 0
+
+    def receive(self, data: bytes, out: Output) -> bool:
+        """The client's bytes; True once every call is answered (GOAWAY written: close)."""
+        incoming = self.incoming
+        if incoming.tail:
+            data = incoming.join(data)
             if data is None:
-                return
+                return False
         n = len(data)
-        pos = self._preface(data) if self.preface_left else 0
-        out: list[bytes] = []
+        pos = incoming.preface(data) if incoming.preface_left else 0
+        table = self.streams
+        answers = out.to_client
+        events = out.events
         for ftype, flags, sid, fpos, end in frames(data, pos, n):
             if ftype == SETTINGS and not flags & ACK:
-                out.append(frame(SETTINGS, ACK, 0))
+                answers.append(frame(SETTINGS, ACK, 0))
             elif ftype == PING and not flags & ACK:
-                out.append(frame(PING, ACK, 0, data[fpos + 9:end]))
+                answers.append(frame(PING, ACK, 0, data[fpos + 9:end]))
             elif ftype == HEADERS:
                 try:
-                    info = self.cdec.info(header_block(data, ftype, flags, fpos, end), self.relay.request_info)
+                    info = self.decoder.info(header_block(data, ftype, flags, fpos, end), table.settings.request_info)
                 except HeaderListTooLarge as e:
                     raise H2Error(ERR_ENHANCE_YOUR_CALM, "header_block", f"request headers: {e}") from None
                 except HpackError as e:
                     raise ProtocolError(str(e)) from None
-                if sid > self.last_client_sid:
-                    self.last_client_sid = sid
-                    call = self._new_call(sid, info)
-                    call.hold = None
+                if sid > table.last_client_sid:
+                    table.last_client_sid = sid
+                    stream = table.open_stream(sid, info)
+                    if stream.hold is not None:
+                        table.drop_hold(stream)
                     if flags & END_STREAM:
-                        out.append(self._refusal(call))
+                        answers.append(self._refusal(stream, events))
             elif ftype == DATA:
-                call = self.streams.get(sid)
+                stream = table.open.get(sid)
                 length = end - fpos - 9
                 if length:
-                    out.append(window_update(0, length))
-                    if call is not None and not flags & END_STREAM:
-                        out.append(window_update(sid, length))
-                if call is not None:
-                    call.req.feed(data_payload(data, flags, fpos, end))
+                    answers.append(window_update(0, length))
+                    if stream is not None and not flags & END_STREAM:
+                        answers.append(window_update(sid, length))
+                if stream is not None:
+                    stream.req.feed(data_payload(data, flags, fpos, end))
                     if flags & END_STREAM:
-                        out.append(self._refusal(call))
+                        answers.append(self._refusal(stream, events))
             elif ftype == RST_STREAM:
-                call = self.streams.get(sid)
-                if call is not None:
-                    self._finish(call, call.ended_code(self.clock()), "")
+                stream = table.open.get(sid)
+                if stream is not None:
+                    table.end(stream, stream.ended_code(table.clock()), "", events)
             pos = end
         if pos < n:
-            self._client_tail(data, pos, n)
-        if self.answered and not self.streams:
-            out.append(goaway(self.last_client_sid))
-            self.client.write(b"".join(out))
-            self.close("UNAVAILABLE", self.refused_details)
-            return
-        if out:
-            self.client.write(b"".join(out))
+            incoming.keep(data, pos, n)
+        if self.answered and not table.open:
+            answers.append(goaway(table.last_client_sid))
+            return True
+        return False
 
-    def _refusal(self, call) -> bytes:
-        """The trailers-only UNAVAILABLE answer to ``call`` (which ends here)."""
+    def _refusal(self, stream, events: list) -> bytes:
+        """The trailers-only UNAVAILABLE answer to ``stream`` (which ends here)."""
         self.answered += 1
         block = (STATUS_200 + CONTENT_TYPE_GRPC + literal(b"grpc-status", b"14")
-                 + literal(b"grpc-message", percent_encode(self.refused_details)))
-        self._finish(call, "UNAVAILABLE", self.refused_details)
-        return frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block)
+                 + literal(b"grpc-message", percent_encode(self.details)))
+        self.streams.end(stream, "UNAVAILABLE", self.details, events)
+        return frame(HEADERS, END_HEADERS | END_STREAM, stream.sid, block)

@@ -5,23 +5,24 @@ part of its own only because of held streams: bytes the client sends on a held s
 reach the server (the relay gives them back to the client while holding), and the rewritten
 message it sends instead (N' bytes for N) must fit the server's windows. So it tracks:
 
-* ``s_conn``: the server's connection window, what may still go upstream; ``c_conn``: the
+* ``upstream_window``: the server's connection window, what may still go upstream; ``client_window``: the
   client's view of it. The client's view never exceeds what the server allows minus what is
   queued: ``room`` is the difference the relay may grant the client itself.
-* per stream the relay sends DATA on itself (held, then re-sent), the server's stream window
-  (``streams``): the initial window plus the server's WINDOW_UPDATEs minus what was sent.
+* the streams the relay sends DATA on itself (held, then re-sent: ``sending``), each with the
+  server's window for it on the stream itself (``Stream.send_window``): the initial window plus
+  the server's WINDOW_UPDATEs minus what was sent.
 * the server's SETTINGS_INITIAL_WINDOW_SIZE as far as the relay may use it for its own DATA:
   a raised value counts only once the client's ACK of that SETTINGS frame went upstream
   (grpc-core checks a stream's DATA against the value the peer acknowledged, and resets the
   stream otherwise), a lowered one at once (the server may apply it on sending). The same
-  values give the bounds of the client's stream windows (``Call.up``, see ``limits.py``): the
+  values give the bounds of the client's stream windows (``Stream.up``, see ``limits.py``): the
   largest the client may be using (``peak``: acknowledged or not yet) for its DATA, the
   smallest (``initial``) for a WINDOW_UPDATE's overflow; and the client's own value starts
-  the windows it gives the server (``Call.down``, at most ``c_over``).
+  the windows it gives the server (``Stream.down``, at most ``down_max``).
 * the queue: DATA (and trailers behind it) that the server's windows cannot take yet, in
   order, with the flow-controlled length of each entry.
 
-No I/O: ``drain`` returns the frames that may go now.
+No I/O: ``send_owned`` and ``drain`` give the frames that may go now.
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ DEFAULT_WINDOW = 65535
 
 
 class Windows:
-    __slots__ = ("s_conn", "c_conn", "to_client", "initial", "initial_acked", "settings_unacked", "peak", "c_over",
-                 "max_frame", "streams", "queue", "queued", "qsids")
+    __slots__ = ("upstream_window", "client_window", "to_client", "initial", "initial_acked", "settings_unacked",
+                 "peak", "down_max", "max_frame", "sending", "queue", "queued", "queued_streams")
 
     def __init__(self) -> None:
-        self.s_conn = DEFAULT_WINDOW
-        self.c_conn = DEFAULT_WINDOW
+        self.upstream_window = DEFAULT_WINDOW
+        self.client_window = DEFAULT_WINDOW
         # the other direction: what the server may still send the client on the connection (the
         # client's WINDOW_UPDATEs less the server's DATA), kept only to refuse a window past 2^31-1
         self.to_client = DEFAULT_WINDOW
@@ -47,18 +48,18 @@ class Windows:
         self.settings_unacked: deque = deque()  # per server SETTINGS frame not yet acked: its value or None
         # the largest initial window the client may be using for its DATA: the acknowledged one
         # or one it may have applied on receipt (not acknowledged yet); the client's stream
-        # windows are judged against it (``Call.up``), lower ones against ``initial``
+        # windows are judged against it (``Stream.up``), lower ones against ``initial``
         self.peak = DEFAULT_WINDOW
         # 2^31-1 less the client's own SETTINGS_INITIAL_WINDOW_SIZE (its latest), which the
-        # runtime's stream windows start from: a ``Call.down`` above it is a window past 2^31-1
-        self.c_over = MAX_WINDOW - DEFAULT_WINDOW
+        # runtime's stream windows start from: a ``Stream.down`` above it is a window past 2^31-1
+        self.down_max = MAX_WINDOW - DEFAULT_WINDOW
         # DATA the relay frames itself stays within 16384 bytes, the size every peer accepts: a
         # larger SETTINGS_MAX_FRAME_SIZE from the server would count only once acknowledged
         self.max_frame = 16384
-        self.streams: dict[int, int] = {}  # the server's windows of streams the relay sends on itself
+        self.sending: dict = {}  # the streams the relay sends on itself, by id (their send_window)
         self.queue: deque = deque()  # (sid, frame, flow-controlled length)
         self.queued = 0
-        self.qsids: dict[int, int] = {}  # sid -> its entries in the queue
+        self.queued_streams: dict[int, int] = {}  # sid -> its entries in the queue
 
     # ---------------------------------------------------------------- SETTINGS
 
@@ -91,60 +92,85 @@ class Windows:
         delta = value - self.initial
         if delta:
             self.initial = value
-            streams = self.streams
-            for k in streams:
+            for stream in self.sending.values():
                 # past 2^31-1 only if the runtime broke RFC 9113 6.9.2: sending less is safe
-                streams[k] = min(streams[k] + delta, MAX_WINDOW)
+                stream.send_window = min(stream.send_window + delta, MAX_WINDOW)
 
     # ---------------------------------------------------------------- windows
 
-    def own_stream(self, sid: int) -> None:
-        """The relay sends on stream ``sid`` itself from now on: track its server window."""
-        if sid not in self.streams:
-            self.streams[sid] = self.initial
+    def own_stream(self, stream) -> None:
+        """The relay sends on ``stream`` itself from now on: track its server window."""
+        if stream.sid not in self.sending:
+            stream.send_window = self.initial
+            self.sending[stream.sid] = stream
 
     def server_conn_update(self, inc: int) -> bool:
         """The server's connection WINDOW_UPDATE: True when the client may have all of it
         (forward the frame unchanged), False when it must be cut to ``grant()``."""
-        self.s_conn += inc
-        if self.s_conn > MAX_WINDOW:
-            raise H2Error(ERR_FLOW_CONTROL, "window_overflow", "a connection WINDOW_UPDATE past 2^31-1 from the runtime")
-        if self.s_conn - self.queued - self.c_conn >= inc:
-            self.c_conn += inc
+        self.upstream_window += inc
+        if self.upstream_window > MAX_WINDOW:
+            raise H2Error(ERR_FLOW_CONTROL, "window_overflow",
+                          "a connection WINDOW_UPDATE past 2^31-1 from the runtime")
+        if self.upstream_window - self.queued - self.client_window >= inc:
+            self.client_window += inc
             return True
         return False
 
     def grant(self) -> int:
         """What the client may send beyond its view (``room``), now counted as granted."""
-        room = self.s_conn - self.queued - self.c_conn
+        room = self.upstream_window - self.queued - self.client_window
         if room > 0:
-            self.c_conn += room
+            self.client_window += room
             return room
         return 0
 
     def take(self, sid: int, n: int) -> bool:
         """``n`` bytes of the relay's own DATA on ``sid`` go now if nothing is queued and both
         windows take them (then counted); else False."""
-        if self.queue or n > self.s_conn:
+        if self.queue or n > self.upstream_window:
             return False
-        w = self.streams.get(sid)
-        if w is not None:
-            if n > w:
+        stream = self.sending.get(sid)
+        if stream is not None:
+            if n > stream.send_window:
                 return False
-            self.streams[sid] = w - n
-        self.s_conn -= n
+            stream.send_window -= n
+        self.upstream_window -= n
         return True
+
+    def send_owned(self, sid: int, payload: bytes, end_stream: int, to_upstream: list) -> None:
+        """DATA the relay sends on stream ``sid`` itself, in frames of at most 16384 bytes:
+        onto ``to_upstream`` when the windows take all of it now, else through the queue."""
+        n = len(payload)
+        step = self.max_frame
+        flags = END_STREAM if end_stream else 0
+        if self.take(sid, n):
+            if end_stream:
+                self.sending.pop(sid, None)
+            if n <= step:
+                to_upstream.append(_data_frame(flags, sid, payload))
+                return
+            for off in range(0, n, step):
+                last = off + step >= n
+                to_upstream.append(_data_frame(flags if last else 0, sid, payload[off:off + step]))
+            return
+        if n == 0:
+            self.enqueue(sid, _data_frame(flags, sid, b""), 0)
+        for off in range(0, n, step):
+            chunk = payload[off:off + step]
+            last = off + step >= n
+            self.enqueue(sid, _data_frame(flags if last else 0, sid, chunk), len(chunk))
+        to_upstream.extend(self.drain())
 
     # ---------------------------------------------------------------- the queue
 
     def enqueue(self, sid: int, frame: bytes, flow: int) -> None:
         self.queue.append((sid, frame, flow))
         self.queued += flow
-        self.qsids[sid] = self.qsids.get(sid, 0) + 1
+        self.queued_streams[sid] = self.queued_streams.get(sid, 0) + 1
 
     def forget(self, sid: int) -> None:
         """Stream ``sid`` ended: its queued frames are dropped, its window forgotten."""
-        if sid in self.qsids:
+        if sid in self.queued_streams:
             keep = deque()
             for entry in self.queue:
                 if entry[0] == sid:
@@ -152,33 +178,38 @@ class Windows:
                 else:
                     keep.append(entry)
             self.queue = keep
-            del self.qsids[sid]
-        self.streams.pop(sid, None)
+            del self.queued_streams[sid]
+        self.sending.pop(sid, None)
 
     def drain(self) -> list[bytes]:
         """The queued frames the windows take now, in order (counted)."""
         q = self.queue
         out = []
-        streams = self.streams
+        sending = self.sending
         while q:
             sid, frame, flow = q[0]
             if flow:
-                if flow > self.s_conn:
+                if flow > self.upstream_window:
                     break
-                w = streams.get(sid)
-                if w is not None:
-                    if flow > w:
+                stream = sending.get(sid)
+                if stream is not None:
+                    if flow > stream.send_window:
                         break
-                    streams[sid] = w - flow
-                self.s_conn -= flow
+                    stream.send_window -= flow
+                self.upstream_window -= flow
             q.popleft()
             self.queued -= flow
-            left = self.qsids[sid] - 1
+            left = self.queued_streams[sid] - 1
             if left:
-                self.qsids[sid] = left
+                self.queued_streams[sid] = left
             else:
-                del self.qsids[sid]
+                del self.queued_streams[sid]
             if frame[4] & END_STREAM and frame[3] in (DATA, HEADERS):
-                streams.pop(sid, None)
+                sending.pop(sid, None)
             out.append(frame)
         return out
+
+
+def _data_frame(flags: int, sid: int, payload: bytes) -> bytes:
+    n = len(payload)
+    return bytes((n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, DATA, flags)) + sid.to_bytes(4, "big") + payload

@@ -1,7 +1,8 @@
 """HTTP/2 frames as the relay (``shim.transport.relay``) and the reconciler's unary client
-(``unary_client.py``) read and write them: frame types, flags, settings, frame building, and
-the one frame scan (``frames``) with its header-block trim (``header_block``) and DATA payload
-(``data_payload``) that every reader uses.
+(``unary_client.py``) read and write them: frame types, flags, settings, frame building, the
+frame scan (``frames``; the relay's client side reads the 9-byte frame headers in its own loop
+and takes a header block's CONTINUATIONs with ``unit_end``), the header-block trim
+(``header_block``) and the DATA payload (``data_payload``).
 
 A *unit* is what ``frames`` yields: one frame, or a HEADERS / PUSH_PROMISE frame together with
 its CONTINUATION frames (a header block is decoded and forwarded whole, so nothing is ever
@@ -129,7 +130,7 @@ def frames(data, pos: int, n: int):
         flags = data[pos + 4]
         if ftype == HEADERS or ftype == PUSH_PROMISE:
             if not flags & END_HEADERS:
-                end = _unit_end(data, end, n)
+                end = unit_end(data, end, n)
                 if end < 0:
                     return
         elif ftype == CONTINUATION:
@@ -138,7 +139,7 @@ def frames(data, pos: int, n: int):
         pos = end
 
 
-def _unit_end(data, p: int, n: int) -> int:
+def unit_end(data, p: int, n: int) -> int:
     """The end of the CONTINUATION frames from ``p`` on up to END_HEADERS, -1 if not all arrived."""
     while True:
         if n - p < 9:
