@@ -12,7 +12,7 @@ from pathlib import Path
 import memqos_dev.tools.bench
 from memqos_dev.tools.bench.processes import has_transport_option, run_upstream
 from memqos_dev.tools.bench.report import table
-from memqos_dev.tools.bench.run import median_runs, one_run
+from memqos_dev.tools.bench.run import PARTS, median_runs, one_run
 from memqos_dev.tools.bench.workload import DEFAULT_TRACE, QUICK, REPO, TARGETS, Sizes
 
 
@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one short run (about a minute)")
     p.add_argument("--runs", type=int, help="runs to take medians over (default 3, --quick 1)")
     p.add_argument("--transport", default=None,
-                   help="comma-separated transports of `serve` to put side by side (default: every one)")
+                   help="comma-separated transports of `serve` to put side by side, when this tree's `serve` "
+                        "has a --transport option (default: relay)")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated measurements to run (default: all): {', '.join(PARTS)}")
     p.add_argument("--load-calls", type=int, help="calls for the RSS-after-load measurement (default 100000)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="kubelet trace for the steady-state mix")
     p.add_argument("--json", default=str(REPO / "out" / "bench" / "bench.json"), help="where to write the JSON")
@@ -36,10 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         sizes.runs = args.runs
     if args.load_calls:
         sizes.load_calls = args.load_calls
-    if args.transport is None:
-        transports = ["grpc", "relay"] if has_transport_option() else ["grpc"]
-    else:
-        transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    transports = ["relay"] if args.transport is None else [t.strip() for t in args.transport.split(",") if t.strip()]
+    if transports != ["relay"] and not has_transport_option():
+        p.error("this tree's `serve` has no --transport option: it relays, and --transport can only be relay")
+    parts = PARTS if args.only is None else tuple(x.strip() for x in args.only.split(",") if x.strip())
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        p.error(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}")
     trace = Path(args.trace) if args.trace else None
 
     def log(msg: str) -> None:
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     load = [os.getloadavg()[0]]
     for r in range(sizes.runs):
         log(f"run {r + 1}/{sizes.runs}")
-        runs.append(one_run(transports, sizes, trace, log))
+        runs.append(one_run(transports, sizes, trace, log, parts))
         load.append(os.getloadavg()[0])
     result = {
         "command": "scripts/bench " + " ".join(argv),

@@ -61,10 +61,14 @@ def run_upstream(listen: str) -> int:
 # ------------------------------------------------------------------------------------------ processes
 
 
-def has_transport_option() -> bool:
-    from shim.app.config import OPTIONS
-
-    return any(o.name == "transport" for o in OPTIONS)
+def has_transport_option(tree: Path = REPO) -> bool:
+    """Whether the `serve` of the checkout ``tree`` has a --transport option (read from its
+    options table's source, so that another checkout is not imported)."""
+    try:
+        source = (tree / "shim" / "app" / "config.py").read_text()
+    except OSError:
+        return False
+    return 'Option("transport"' in source
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -122,10 +126,10 @@ class Processes:
                    "--cgroup-root", str(cg), "--meminfo", str(self.dir / "meminfo"), "--page-size", "4096",
                    "--audit-log", str(self.dir / f"audit-{t}.jsonl"), "--reconcile", "false",
                    "--monitor-interval", "0", "--log-level", "warning"]
-            if src != REPO or has_transport_option():
+            if has_transport_option(src):
                 cmd += ["--transport", transport]
-            elif transport != "grpc":
-                raise SystemExit(f"this checkout's shim has only the grpc transport, not {transport!r}")
+            elif transport != "relay":
+                raise SystemExit(f"the shim of {src} has no --transport option (it relays), not {transport!r}")
             self.shims[t] = subprocess.Popen(cmd, stdout=open(self.dir / f"shim-{t}.log", "w"),
                                              stderr=subprocess.STDOUT, env=self.env(src), cwd=str(src))
             self.socks[t] = sock
