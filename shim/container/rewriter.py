@@ -189,6 +189,28 @@ class ContainerMemoryQoS:
         self._emit(record)
 
     def finished(self, call: RpcCall) -> None:
+        """Both parts of a finished call at once: ``remember`` then ``account``."""
+        self.remember(call)
+        self.account(call)
+
+    def remember(self, call: RpcCall) -> None:
+        """The part of ``finished`` that cannot wait, as soon as the call ended (the transport's
+        thread): a created container is remembered under the id the runtime gave it, for an
+        UpdateContainerResources that may follow at once; the id stays on the call's record."""
+        if call.method == CREATE_CONTAINER and call.code == "OK" and call.responses:
+            note = call.rewritten
+            if note is None:
+                return
+            cid = created_container_id(call.responses[0])
+            if cid:
+                note.container_id = cid
+                if note.memo is not None:
+                    self.containers[cid] = note.memo
+
+    def account(self, call: RpcCall) -> None:
+        """The part of ``finished`` that may come later (``shim.container.chain.CallFinisher``):
+        the audit record of a held call, completed with how it ended and timed at its end; and,
+        without a reconciler, the containers of a removal forgotten."""
         method = call.method
         if method == CREATE_CONTAINER or method == UPDATE_CONTAINER_RESOURCES:
             note = call.rewritten
@@ -197,15 +219,13 @@ class ContainerMemoryQoS:
             record = note.audit
             if callable(record):
                 record = record()
-            record["code"] = call.code
-            if call.code != "OK":
+            code = call.code
+            record["code"] = code
+            if code != "OK":
                 record["details"] = call.details[:500]
-            if method == CREATE_CONTAINER and call.code == "OK" and call.responses:
-                cid = created_container_id(call.responses[0])
-                if cid:
-                    record["container_id"] = cid
-                    if note.memo is not None:
-                        self.containers[cid] = note.memo
+            if note.container_id:
+                record["container_id"] = note.container_id
+            record["time"] = call.start + call.duration_ms / 1000.0
             self._emit(record)
         elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK" \
                 and self.forget_from_calls:  # (no reconciler to tell it)

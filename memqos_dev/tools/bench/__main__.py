@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default=None,
                    help="comma-separated transports of `serve` to put side by side, when this tree's `serve` "
                         "has a --transport option (default: relay)")
+    p.add_argument("--serve-defaults", action="store_true",
+                   help="run the measured shims with the reconciler and the monitor on, as `serve` runs by "
+                        "default (otherwise --reconcile false --monitor-interval 0: the transport path alone)")
     p.add_argument("--only", default=None,
                    help=f"comma-separated measurements to run (default: all): {', '.join(PARTS)}")
     p.add_argument("--load-calls", type=int, help="calls for the RSS-after-load measurement (default 100000)")
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     load = [os.getloadavg()[0]]
     for r in range(sizes.runs):
         log(f"run {r + 1}/{sizes.runs}")
-        runs.append(one_run(transports, sizes, trace, log, parts))
+        runs.append(one_run(transports, sizes, trace, log, parts, args.serve_defaults))
         load.append(os.getloadavg()[0])
     result = {
         "command": "scripts/bench " + " ".join(argv),

@@ -88,9 +88,14 @@ def proc_rss_mib(pid: int) -> float:
 
 class Processes:
     """The upstream and one shim per transport, in a temporary directory. ``sources`` (name ->
-    (transport, checkout)) serves other checkouts instead (scripts/bench-ab)."""
+    (transport, checkout)) serves other checkouts instead (scripts/bench-ab). The shims run the
+    transport path alone (``--reconcile false --monitor-interval 0``) unless ``serve_defaults``:
+    then with the reconciler and the monitor as `serve` runs by default (on the temporary
+    directory's cgroup tree)."""
 
-    def __init__(self, transports: list[str], sources: dict[str, tuple[str, Path]] | None = None) -> None:
+    def __init__(self, transports: list[str], sources: dict[str, tuple[str, Path]] | None = None, *,
+                 serve_defaults: bool = False) -> None:
+        self.serve_defaults = serve_defaults
         self.dir = Path(tempfile.mkdtemp(prefix="mqsb-"))
         self.upstream_sock = self.dir / "rt.sock"
         self.upstream: subprocess.Popen | None = None
@@ -124,8 +129,9 @@ class Processes:
             cmd = [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{sock}",
                    "--upstream", f"unix://{self.upstream_sock}", "--kubelet-config", "none",
                    "--cgroup-root", str(cg), "--meminfo", str(self.dir / "meminfo"), "--page-size", "4096",
-                   "--audit-log", str(self.dir / f"audit-{t}.jsonl"), "--reconcile", "false",
-                   "--monitor-interval", "0", "--log-level", "warning"]
+                   "--audit-log", str(self.dir / f"audit-{t}.jsonl"), "--log-level", "warning"]
+            if not self.serve_defaults:
+                cmd += ["--reconcile", "false", "--monitor-interval", "0"]
             if has_transport_option(src):
                 cmd += ["--transport", transport]
             elif transport != "relay":

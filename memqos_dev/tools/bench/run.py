@@ -30,8 +30,8 @@ PARTS = ("small", "reply200k", "throughput", "load", "quick", "replay", "reply16
 
 
 def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callable[[str], None],
-            parts: tuple[str, ...] = PARTS) -> dict:
-    procs = Processes(transports)
+            parts: tuple[str, ...] = PARTS, serve_defaults: bool = False) -> dict:
+    procs = Processes(transports, serve_defaults=serve_defaults)
     procs.start()
     client = None
     try:
