@@ -43,7 +43,7 @@ def test_bench_back_to_back_alone_runs_end_to_end():
     from memqos_dev.tools.bench.workload import Sizes
 
     sizes = Sizes(runs=1, back_to_back=6, back_to_back_block=3, replay_pods=2)
-    m = one_run(["relay"], sizes, None, lambda msg: None, ("back-to-back",))
+    m = one_run(sizes, None, lambda msg: None, ("back-to-back",))
     relay = m["relay"]
     for key in ("b2b_create_p50_us", "b2b_passthrough_p50_us", "added_b2b_create_p50_us", "b2b_added_ratio",
                 "b2b_cpu_ms_per_create", "b2b_cpu_ms_per_passthrough"):

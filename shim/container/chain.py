@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # seconds the first call of a batch waits on the finisher's thread for the calls ending after it
 FINISH_DELAY = 0.02
 DEFAULT_FINISH_MAX_PENDING = 10000
+# seconds of work after which the finisher lets go of the interpreter (a call waiting on the
+# transport's thread would otherwise wait up to the interpreter's switch interval, 5 ms)
+YIELD_EVERY = 0.0002
 _WAKE = object()
 
 
@@ -109,8 +112,8 @@ class CallFinisher(Worker):
 
     ``submit`` (the transport's thread) appends to a deque and wakes the thread only when it
     was not woken yet; the thread waits ``delay`` seconds for more calls to join, then runs
-    ``work`` for every call in the deque, oldest first, letting the transport's thread take the
-    interpreter between two calls. At most ``max_pending`` calls wait: beyond, a call's work is
+    ``work`` for every call in the deque, oldest first, letting go of the interpreter between
+    two calls every ``YIELD_EVERY`` seconds. At most ``max_pending`` calls wait: beyond, a call's work is
     dropped and counted (``dropped``; the rewriter's ``remember`` has run). ``stop`` and
     ``sync`` run what is submitted before they return, without waiting out the delay."""
 
@@ -171,8 +174,9 @@ class CallFinisher(Worker):
         self._hurry.clear()
         # cleared before the deque is read: a call submitted from now on wakes the thread again
         self._awake = False
-        calls, work, pause = self._calls, self._work, time.sleep
+        calls, work, pause, clock = self._calls, self._work, time.sleep, time.perf_counter
         n = 0
+        due = clock() + YIELD_EVERY
         while calls:
             call = calls.popleft()
             try:
@@ -180,7 +184,9 @@ class CallFinisher(Worker):
             except Exception:  # the thread must survive anything
                 log.exception("the work after the answer failed on %s", getattr(call, "method", call))
             n += 1
-            pause(0)  # the transport's thread, if it waits for the interpreter, takes it here
+            if clock() >= due:
+                pause(0)  # the transport's thread, if it waits for the interpreter, may take it here
+                due = clock() + YIELD_EVERY
         if n:
             self.done += n
             self.batches += 1

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-defaults", action="store_true",
                    help="run the measured shims with the reconciler and the monitor on, as `serve` runs by "
                         "default (otherwise --reconcile false --monitor-interval 0: the transport path alone)")
+    p.add_argument("--ref", action="append", default=[],
+                   help="also serve this git ref's `serve` (relay) from a temporary worktree, as a column of its "
+                        "own in the same run (repeatable)")
     p.add_argument("--only", default=None,
                    help=f"comma-separated measurements to run (default: all): {', '.join(PARTS)}")
     p.add_argument("--load-calls", type=int, help="calls for the RSS-after-load measurement (default 100000)")
@@ -55,15 +58,44 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     import compileall
+    import shutil
+    import tempfile
 
-    compileall.compile_dir(str(REPO / "shim"), quiet=1)  # bytecode, as `pip install` leaves it
+    from memqos_dev.tools.bench_ab import remove_worktrees, worktree
+
+    sources = {t: (t, REPO) for t in transports}
+    work = Path(tempfile.mkdtemp(prefix="mqbench-")) if args.ref else None
+    trees = []
+    for ref in args.ref:
+        tree = worktree(ref, work)
+        trees.append(tree)
+        sources[f"relay@{ref}"] = ("relay", tree)
+    for tree in [REPO, *trees]:
+        compileall.compile_dir(str(tree / "shim"), quiet=1)  # bytecode, as `pip install` leaves it
+    try:
+        runs = measure(sizes, sources, trace, parts, args.serve_defaults, log)
+    finally:
+        remove_worktrees(trees)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    write_report(args, argv, sizes, runs)
+    return 0
+
+
+def measure(sizes: Sizes, sources: dict, trace, parts, serve_defaults: bool, log) -> dict:
+    """The runs (fresh processes each) and what the report says about the machine meanwhile."""
     runs = []
     t_start = time.time()
     load = [os.getloadavg()[0]]
     for r in range(sizes.runs):
         log(f"run {r + 1}/{sizes.runs}")
-        runs.append(one_run(transports, sizes, trace, log, parts, args.serve_defaults))
+        runs.append(one_run(sizes, trace, log, parts, serve_defaults, sources))
         load.append(os.getloadavg()[0])
+    return {"runs": runs, "load": load, "start": t_start}
+
+
+def write_report(args, argv: list[str], sizes: Sizes, measured: dict) -> None:
+    runs, load, t_start = measured["runs"], measured["load"], measured["start"]
     result = {
         "command": "scripts/bench " + " ".join(argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
@@ -84,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{' → '.join(f'{x:.1f}' for x in load)} (other work on the machine adds noise)")
     print(table(result))
     print(f"JSON: {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ class Client:
             for name in names[k:] + names[:k]:
                 call, lat = calls[name], out[name]
                 reqs = [requests(i + j, name) for j in range(count)]
+                if name in cpu:
+                    time.sleep(settle)  # what making the requests cost the target is not counted
                 c0 = cpu_s[name]() if name in cpu else 0.0
                 for req in reqs:
                     t0 = clock()

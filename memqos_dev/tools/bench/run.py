@@ -10,9 +10,11 @@ from typing import Callable
 
 from memqos_dev.tools.bench.load import Client, load_calls, quick_under_slow, replay_calls, throughput
 from memqos_dev.tools.bench.processes import Processes, proc_cpu_s, proc_rss_mib
-from shim.cri.methods import CREATE_CONTAINER, EXEC_SYNC, VERSION
+from shim.cri.methods import CREATE_CONTAINER, EXEC_SYNC, RUN_POD_SANDBOX, VERSION
 from memqos_dev.tools.bench.workload import (
     REPLAY_SLICE_SECONDS,
+    kubelet_sized_create,
+    REPO,
     MiB,
     Sizes,
     exec_request,
@@ -29,9 +31,11 @@ PARTS = ("small", "reply200k", "throughput", "load", "quick", "replay", "reply16
          "defaults")
 
 
-def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callable[[str], None],
-            parts: tuple[str, ...] = PARTS, serve_defaults: bool = False) -> dict:
-    procs = Processes(transports, serve_defaults=serve_defaults)
+def one_run(sizes: Sizes, trace: Path | None, log: Callable[[str], None], parts: tuple[str, ...] = PARTS,
+            serve_defaults: bool = False, sources: dict[str, tuple[str, Path]] | None = None) -> dict:
+    """One run with fresh processes: the shims of ``sources`` (name -> (transport, checkout);
+    default: this checkout's relay)."""
+    procs = Processes([], sources or {"relay": ("relay", REPO)}, serve_defaults=serve_defaults)
     procs.start()
     client = None
     try:
@@ -151,8 +155,8 @@ def one_run(transports: list[str], sizes: Sizes, trace: Path | None, log: Callab
         for t, pid in shims.items():
             m[t]["rss_end_mib"] = proc_rss_mib(pid)
         for t in shims:
-            if "defaults" in parts:
-                m[t]["rss_defaults_mib"] = procs.defaults_rss(t)
+            if "defaults" in parts and procs.sources[t][1] == REPO:
+                m[t]["rss_defaults_mib"] = procs.defaults_rss(procs.sources[t][0])
             if procs.shims[t].poll() is not None:
                 raise RuntimeError(f"shim ({t}) died during the run")
         return derive(m)
@@ -167,14 +171,23 @@ def back_to_back(client: Client, template, shims: dict[str, int], sizes: Sizes, 
     then a passthrough call of the same size back to back, each against every target in turn
     (blocks of ``sizes.back_to_back_block`` calls): what the shim does after an answer, and before
     the next call, shows in the next call's latency and in the shim's CPU per call."""
+    from shim.cri import pb
+    from shim.tools.kubelet_requests import sandbox_config
+
     size = template.ByteSize()
     pad = padded(size)
     counter = [0]
 
     def create_req(i: int, name: str) -> bytes:
+        """A create in a pod of its own (as most pods have one container), the pod started
+        through the same target before the block (so the shim knows it)."""
         counter[0] += 1
-        template.config.metadata.attempt = 20_000_000 + counter[0]
-        return template.SerializeToString()
+        uid = f"b2b{counter[0]:029x}"
+        sandbox = sandbox_config(f"b2b-{counter[0]}", uid, "burstable")
+        answer = client.unary(name, RUN_POD_SANDBOX)(pb.RunPodSandboxRequest(config=sandbox).SerializeToString(),
+                                                     timeout=30)
+        sid = pb.RunPodSandboxResponse.FromString(answer).pod_sandbox_id
+        return kubelet_sized_create(sid, sandbox, "app").SerializeToString()
 
     cpu_s = {t: partial(proc_cpu_s, pid) for t, pid in shims.items()}
     n, block = sizes.back_to_back, sizes.back_to_back_block
