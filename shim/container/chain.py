@@ -83,8 +83,13 @@ class HookChain:
         finisher = self.finisher
         if finisher is not None:
             finisher.submit(call)
-        else:
-            self.after(call)
+            return
+        self._account(call)
+        for observer in self.observers:
+            try:
+                observer.finished(call)
+            except Exception:
+                log.exception("observer %r failed on %s", observer, call.method)
 
     def after(self, call: "RpcCall | _NotRewritten") -> None:
         """What a finished call leaves for later: the rewriter's audit record, then each observer

@@ -278,7 +278,10 @@ class ContainerMemoryQoS:
 
     def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, owns,
                          **extra: Any) -> dict:
-        return {**base(*args), **self.describe(decision, owns), **extra}
+        record = self.describe(decision, owns, base(*args))  # (base makes a new dict)
+        if extra:
+            record.update(extra)
+        return record
 
     def _update(self, call: RpcCall) -> bytes:
         request = call.request
@@ -323,23 +326,29 @@ class ContainerMemoryQoS:
         call.rewritten = Rewritten(msg, decision, record)
         return out
 
-    def describe(self, d: Decision, owns) -> dict:
-        """The decision as the audit record says it (both front ends)."""
-        return {
-            "event": "rewrite" if d.changed else "unchanged",
-            "qos": d.qos.value,
-            "qos_source": d.qos_reason,
-            "request": d.request.bytes,
-            "request_source": d.request.source.value,
-            **({"request_note": d.request.note} if d.request.note else {}),
-            "limit": d.limit,
-            "allocatable": self.node.allocatable,
-            "factor": self.node.factor,
-            "page_size": self.node.page_size,
-            "policy": self.policy.value,
-            **({"kubelet_owns": sorted(owns)} if owns else {}),
-            "unified_before": dict(d.unified_before),
-            "unified_after": dict(d.unified_after),
-            "reasons": dict(d.reasons),
-            **({"notes": list(d.notes)} if d.notes else {}),
-        }
+    def describe(self, d: Decision, owns, into: dict | None = None) -> dict:
+        """The decision as the audit record says it (both front ends), added to ``into`` (a new
+        dict when None) and returned."""
+        r = {} if into is None else into
+        r["event"] = "rewrite" if d.changed else "unchanged"
+        r["qos"] = d.qos.value
+        r["qos_source"] = d.qos_reason
+        request = d.request
+        r["request"] = request.bytes
+        r["request_source"] = request.source.value
+        if request.note:
+            r["request_note"] = request.note
+        node = self.node
+        r["limit"] = d.limit
+        r["allocatable"] = node.allocatable
+        r["factor"] = node.factor
+        r["page_size"] = node.page_size
+        r["policy"] = self.policy.value
+        if owns:
+            r["kubelet_owns"] = sorted(owns)
+        r["unified_before"] = dict(d.unified_before)
+        r["unified_after"] = dict(d.unified_after)
+        r["reasons"] = dict(d.reasons)
+        if d.notes:
+            r["notes"] = list(d.notes)
+        return r

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from memqos_dev.tools.bench.load import Client, load_calls, quick_under_slow, replay_calls, throughput
-from memqos_dev.tools.bench.processes import Processes, proc_cpu_s, proc_rss_mib
+from memqos_dev.tools.bench.processes import Processes, proc_cpu_precise_s, proc_cpu_s, proc_rss_mib
 from shim.cri.methods import CREATE_CONTAINER, EXEC_SYNC, RUN_POD_SANDBOX, VERSION
 from memqos_dev.tools.bench.workload import (
     REPLAY_SLICE_SECONDS,
@@ -189,12 +189,12 @@ def back_to_back(client: Client, template, shims: dict[str, int], sizes: Sizes, 
         sid = pb.RunPodSandboxResponse.FromString(answer).pod_sandbox_id
         return kubelet_sized_create(sid, sandbox, "app").SerializeToString()
 
-    cpu_s = {t: partial(proc_cpu_s, pid) for t, pid in shims.items()}
+    cpu_s = {t: partial(proc_cpu_precise_s, pid) for t, pid in shims.items()}
     n, block = sizes.back_to_back, sizes.back_to_back_block
-    client.back_to_back(CREATE_CONTAINER, create_req, min(n, 2 * block), block, cpu_s)  # warm up
-    client.back_to_back(VERSION, lambda i, name: pad, min(n, 2 * block), block, cpu_s)
-    lat_create, cpu_create = client.back_to_back(CREATE_CONTAINER, create_req, n, block, cpu_s)
-    lat_pad, cpu_pad = client.back_to_back(VERSION, lambda i, name: pad, n, block, cpu_s)
+    kinds = {"create": (CREATE_CONTAINER, create_req), "passthrough": (VERSION, lambda i, name: pad)}
+    client.back_to_back(kinds, min(n, 2 * block), block, cpu_s)  # warm up
+    lat, cpu = client.back_to_back(kinds, n, block, cpu_s)
+    lat_create, lat_pad, cpu_create, cpu_pad = lat["create"], lat["passthrough"], cpu["create"], cpu["passthrough"]
     for name in lat_create:
         m[name]["b2b_create_p50_us"] = pct(lat_create[name], 50) * 1e6
         m[name]["b2b_passthrough_p50_us"] = pct(lat_pad[name], 50) * 1e6
