@@ -169,10 +169,47 @@ def test_serve_stop_writes_the_records_of_calls_still_in_the_batch(tmp_path):
                 for i in range(3):
                     create(create_container(sid, sb, f"c{i}", "burstable", request=32 * MI,
                                             limit=128 * MI).SerializeToString(), timeout=10)
-            assert svc.service.finisher.pending == 4  # RunPodSandbox and the creates, waiting
+            assert svc.service.finisher.pending == 3  # the creates, waiting (no one wants RunPodSandbox here)
         finally:
             svc.stop()
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     created = [r for r in records if r.get("method") == "CreateContainer"]
     assert [r["container"] for r in created] == ["c0", "c1", "c2"]
     assert all(r["code"] == "OK" and r["container_id"] for r in created)
+
+
+def test_only_the_calls_someone_wants_are_handed_to_the_finisher():
+    """Without an observer that wants every call, a call nobody has work for (a poll) does not
+    wake the finisher: the rewriter wants what it rewrote, the reconciler's observer its methods,
+    an UNAVAILABLE and the first call that succeeds after one."""
+    import queue
+
+    from shim.cri.methods import CONTAINER_STATUS
+
+    LIST_CONTAINERS = "/runtime.v1.RuntimeService/ListContainers"
+    from shim.node.reconciler import ReconcilerObserver
+
+    qos = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
+    qos.forget_from_calls = False
+    observer = ReconcilerObserver(queue.SimpleQueue())
+    chain = build_request_hooks(qos, [observer])
+    f = CallFinisher(chain.after, delay=HOUR)  # not started: what is handed over stays there
+    chain.defer_to(f)
+    chain.finished(RpcCall(LIST_CONTAINERS, 0.0, responses=[b""]))
+    chain.finished(RpcCall(VERSION, 0.0, responses=[b""]))
+    assert f.pending == 0
+    call = RpcCall(CREATE_CONTAINER, 0.0, request=_create("s1", "main"))
+    chain.finished(call.complete(1.0, chain.rewrite(call), [b""], "OK", ""))
+    chain.finished(RpcCall(CONTAINER_STATUS, 0.0, responses=[b""]))
+    chain.finished(RpcCall(VERSION, 0.0, code="UNAVAILABLE"))
+    assert f.pending == 3
+    # the first call that succeeds after an UNAVAILABLE is wanted (it asks for the resync), the next one not
+    chain.finished(RpcCall(VERSION, 0.0, responses=[b""]))
+    chain.finished(RpcCall(VERSION, 0.0, responses=[b""]))
+    assert f.pending == 4
+    f.handle([])
+
+    chain.observers.append(object())  # a part without wants() wants every call
+    chain.defer_to(f)
+    chain.finished(RpcCall(LIST_CONTAINERS, 0.0, responses=[b""]))
+    assert f.pending == 1

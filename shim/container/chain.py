@@ -46,6 +46,7 @@ class HookChain:
         self._remember: Callable[[RpcCall], None] | None = getattr(rewriter, "remember", None)
         self._account: Callable[[RpcCall], None] = getattr(rewriter, "account", rewriter.finished)
         self.finisher: CallFinisher | None = None
+        self._wants: tuple | None = None  # who wants which calls after the answer (defer_to)
 
     def time_rewrites(self, timer_for: Callable[[str], Callable[[float], None]]) -> None:
         """Time each ``rewrite`` (perf_counter seconds) into the timer of its method, asked of
@@ -66,7 +67,13 @@ class HookChain:
         self.rewrite = rewrite
 
     def defer_to(self, finisher: "CallFinisher | None") -> None:
-        """Run the work after each answer on ``finisher``'s thread (None: in ``finished`` again)."""
+        """Run the work after each answer on ``finisher``'s thread (None: in ``finished`` again).
+        Only the calls someone has work for are handed over: each part says so with
+        ``wants(call)`` (the rewriter, the reconciler's observer); a part without it wants every
+        call. Called once the observers are all there."""
+        parts = [self.rewriter, *self.observers]
+        wants = tuple(getattr(part, "wants", None) for part in parts)
+        self._wants = None if any(w is None for w in wants) else wants
         self.finisher = finisher
 
     def not_rewritten(self, method: str, reason: str) -> None:
@@ -82,7 +89,9 @@ class HookChain:
             remember(call)
         finisher = self.finisher
         if finisher is not None:
-            finisher.submit(call)
+            wants = self._wants
+            if wants is None or any(want(call) for want in wants):
+                finisher.submit(call)
             return
         self._account(call)
         for observer in self.observers:

@@ -207,6 +207,12 @@ class ContainerMemoryQoS:
                 if note.memo is not None:
                     self.containers[cid] = note.memo
 
+    def wants(self, call: RpcCall) -> bool:
+        """Whether ``account`` has work for the call: a call it rewrote (or failed open on), and,
+        without a reconciler, a removal."""
+        return call.rewritten is not None or (
+            self.forget_from_calls and (call.method == REMOVE_CONTAINER or call.method == REMOVE_POD_SANDBOX))
+
     def account(self, call: RpcCall) -> None:
         """The part of ``finished`` that may come later (``shim.container.chain.CallFinisher``):
         the audit record of a held call, completed with how it ended and timed at its end; and,
