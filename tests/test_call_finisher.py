@@ -213,3 +213,24 @@ def test_only_the_calls_someone_wants_are_handed_to_the_finisher():
     chain.defer_to(f)
     chain.finished(RpcCall(LIST_CONTAINERS, 0.0, responses=[b""]))
     assert f.pending == 1
+
+
+def test_a_failed_create_while_the_runtime_is_down_still_tells_the_reconcilers_observer():
+    """Every part is asked: the rewriter wants a failed create, and the reconciler's observer
+    still sees that the runtime was down, so the first call that succeeds afterwards is handed
+    over and asks for the resync."""
+    import queue
+
+    from shim.node.reconciler import ReconcilerObserver
+
+    q = queue.SimpleQueue()
+    qos = ContainerMemoryQoS(NODE, Policy.HARD, lambda r: None)
+    chain = build_request_hooks(qos, [ReconcilerObserver(q)])
+    f = CallFinisher(chain.after, delay=HOUR)
+    chain.defer_to(f)
+    call = RpcCall(CREATE_CONTAINER, 0.0, request=_create("s1", "main"))
+    chain.finished(call.complete(1.0, chain.rewrite(call), [], "UNAVAILABLE", "down"))
+    chain.finished(RpcCall(VERSION, 0.0, responses=[b""]))
+    assert f.pending == 2
+    f.handle([])
+    assert type(q.get_nowait()).__name__ == "_Resync"

@@ -90,7 +90,12 @@ class HookChain:
         finisher = self.finisher
         if finisher is not None:
             wants = self._wants
-            if wants is None or any(want(call) for want in wants):
+            wanted = wants is None
+            if not wanted:
+                for want in wants:  # each one asked: a part may keep track of what it saw
+                    if want(call):
+                        wanted = True
+            if wanted:
                 finisher.submit(call)
             return
         self._account(call)
@@ -127,8 +132,8 @@ class CallFinisher(Worker):
     ``submit`` (the transport's thread) appends to a deque and wakes the thread only when it
     was not woken yet; the thread waits ``delay`` seconds for more calls to join, then runs
     ``work`` for every call in the deque, oldest first, letting go of the interpreter between
-    two calls every ``YIELD_EVERY`` seconds. At most ``max_pending`` calls wait: beyond, a call's work is
-    dropped and counted (``dropped``; the rewriter's ``remember`` has run). ``stop`` and
+    two calls every ``YIELD_EVERY`` seconds. At most ``max_pending`` calls wait: beyond, a
+    call's work is dropped and counted (``dropped``; the rewriter's ``remember`` has run). ``stop`` and
     ``sync`` run what is submitted before they return, without waiting out the delay."""
 
     batch = True

@@ -111,7 +111,8 @@ def write_report(args, argv: list[str], sizes: Sizes, measured: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"memqos-shim bench: {sizes.runs} run(s), medians; added = via shim − direct, same run "
-          f"(calls alternate between targets); {sizes.load_calls} load calls; "
+          f"(calls alternate between targets, call by call, back to back block by block); "
+          f"{sizes.load_calls} load calls; "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, 1-min load average "
           f"{' → '.join(f'{x:.1f}' for x in load)} (other work on the machine adds noise)")
     print(table(result))
