@@ -240,6 +240,7 @@ class ServiceThread:
         return self.service.reconciler
 
     def sync(self) -> None:
+        assert self.service.finisher.sync(10), "the call-finisher did not catch up"
         assert self.reconciler.sync(10), "reconciler did not catch up"
 
 

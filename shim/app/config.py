@@ -290,6 +290,10 @@ OPTIONS: tuple[Option, ...] = (
            "(docs/audit-files.md)", "Q", where=FILE),
     Option("audit-keep", "int", 5, _non_negative_int,
            "rotated audit log files kept: FILE.1 ... FILE.N, the oldest deleted; 0: the file starts over", "N", where=FILE),
+    Option("finish-max-pending", "int", 10000, _positive_int,
+           "finished calls whose work after the answer (audit record, recording, reconciler event, CRI metrics) may "
+           "wait at once for the call-finisher thread, which takes them in batches; beyond it a call's work is "
+           "dropped and counted (memqos_finish_calls_dropped_total)", "N", where=FILE),
     Option("page-size", "int | None", None, _positive_int,
            "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),

@@ -69,6 +69,7 @@ class NriService(Service):
         self.rollout = handler.rollout
         self.recorder = None
         self.proxy = None
+        self.finisher = None  # (serve's call-finisher: the NRI handler's work is in its own calls)
         self.reconciler, self.monitor, self.metrics = reconciler, monitor, metrics
         self.version_pending = version_pending
         self.version_watcher = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from shim.app.config import Config
-from shim.container.chain import build_request_hooks
+from shim.container.chain import CallFinisher, build_request_hooks
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CRI_METHODS
 from shim.effects.rollout import OBSERVE, Rollout
@@ -145,6 +145,8 @@ class Service:
         if metrics is not None:
             self.hooks.observers.append(metrics.observer)
             self.hooks.time_rewrites(metrics.rewrite_timer)
+        # the hooks' work after each answer, in batches off the transport's thread (from start)
+        self.finisher: CallFinisher | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Service":
@@ -209,6 +211,10 @@ class Service:
 
     async def start(self) -> None:
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)
+        self.finisher = CallFinisher(self.hooks.after, max_pending=self.cfg.finish_max_pending).start()
+        self.hooks.defer_to(self.finisher)
+        if self.metrics is not None:
+            self.metrics.attach(finisher=self.finisher)
         from shim.transport.loop_thread import ThreadedProxy, uvloop_factory
         from shim.transport.relay import H2Limits, RelayProxy
 
@@ -247,6 +253,9 @@ class Service:
             self.version_watcher.stop(timeout=1.0)
         if self.proxy is not None:
             await self.proxy.stop(grace=5)
+        if self.finisher is not None:  # the calls' audit records, recordings and events before their writers stop
+            self.finisher.stop()
+            self.hooks.defer_to(None)
         if self.reconciler is not None:
             self.reconciler.stop()
         if self.monitor is not None:
@@ -319,7 +328,7 @@ class Service:
 
     # -- /healthz and /readyz
     def side_threads(self) -> tuple:
-        return (self.audit, self.reconciler, self.monitor, self.recorder, self.version_watcher)
+        return (self.audit, self.finisher, self.reconciler, self.monitor, self.recorder, self.version_watcher)
 
     def health(self) -> list[str]:
         """/healthz: what is wrong with the process (empty: healthy): a side thread ended, the

@@ -63,6 +63,11 @@ class Config:
     #: audit-keep (config file only): rotated audit log files kept: FILE.1 ... FILE.N, the oldest
     #: deleted; 0: the file starts over
     audit_keep: int = 5
+    #: finish-max-pending (config file only): finished calls whose work after the answer (audit
+    #: record, recording, reconciler event, CRI metrics) may wait at once for the call-finisher
+    #: thread, which takes them in batches; beyond it a call's work is dropped and counted
+    #: (memqos_finish_calls_dropped_total)
+    finish_max_pending: int = 10000
     #: --page-size: page size for rounding memory.high; default: the system's
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)

@@ -189,6 +189,34 @@ class ContainerMemoryQoS:
         self._emit(record)
 
     def finished(self, call: RpcCall) -> None:
+        """Both parts of a finished call at once: ``remember`` then ``account``."""
+        self.remember(call)
+        self.account(call)
+
+    def remember(self, call: RpcCall) -> None:
+        """The part of ``finished`` that cannot wait, as soon as the call ended (the transport's
+        thread): a created container is remembered under the id the runtime gave it, for an
+        UpdateContainerResources that may follow at once; the id stays on the call's record."""
+        if call.method == CREATE_CONTAINER and call.code == "OK" and call.responses:
+            note = call.rewritten
+            if note is None:
+                return
+            cid = created_container_id(call.responses[0])
+            if cid:
+                note.container_id = cid
+                if note.memo is not None:
+                    self.containers[cid] = note.memo
+
+    def wants(self, call: RpcCall) -> bool:
+        """Whether ``account`` has work for the call: a call it rewrote (or failed open on), and,
+        without a reconciler, a removal."""
+        return call.rewritten is not None or (
+            self.forget_from_calls and (call.method == REMOVE_CONTAINER or call.method == REMOVE_POD_SANDBOX))
+
+    def account(self, call: RpcCall) -> None:
+        """The part of ``finished`` that may come later (``shim.container.chain.CallFinisher``):
+        the audit record of a held call, completed with how it ended and timed at its end; and,
+        without a reconciler, the containers of a removal forgotten."""
         method = call.method
         if method == CREATE_CONTAINER or method == UPDATE_CONTAINER_RESOURCES:
             note = call.rewritten
@@ -197,15 +225,13 @@ class ContainerMemoryQoS:
             record = note.audit
             if callable(record):
                 record = record()
-            record["code"] = call.code
-            if call.code != "OK":
+            code = call.code
+            record["code"] = code
+            if code != "OK":
                 record["details"] = call.details[:500]
-            if method == CREATE_CONTAINER and call.code == "OK" and call.responses:
-                cid = created_container_id(call.responses[0])
-                if cid:
-                    record["container_id"] = cid
-                    if note.memo is not None:
-                        self.containers[cid] = note.memo
+            if note.container_id:
+                record["container_id"] = note.container_id
+            record["time"] = call.start + call.duration_ms / 1000.0
             self._emit(record)
         elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK" \
                 and self.forget_from_calls:  # (no reconciler to tell it)
@@ -258,7 +284,10 @@ class ContainerMemoryQoS:
 
     def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, owns,
                          **extra: Any) -> dict:
-        return {**base(*args), **self.describe(decision, owns), **extra}
+        record = self.describe(decision, owns, base(*args))  # (base makes a new dict)
+        if extra:
+            record.update(extra)
+        return record
 
     def _update(self, call: RpcCall) -> bytes:
         request = call.request
@@ -303,23 +332,29 @@ class ContainerMemoryQoS:
         call.rewritten = Rewritten(msg, decision, record)
         return out
 
-    def describe(self, d: Decision, owns) -> dict:
-        """The decision as the audit record says it (both front ends)."""
-        return {
-            "event": "rewrite" if d.changed else "unchanged",
-            "qos": d.qos.value,
-            "qos_source": d.qos_reason,
-            "request": d.request.bytes,
-            "request_source": d.request.source.value,
-            **({"request_note": d.request.note} if d.request.note else {}),
-            "limit": d.limit,
-            "allocatable": self.node.allocatable,
-            "factor": self.node.factor,
-            "page_size": self.node.page_size,
-            "policy": self.policy.value,
-            **({"kubelet_owns": sorted(owns)} if owns else {}),
-            "unified_before": dict(d.unified_before),
-            "unified_after": dict(d.unified_after),
-            "reasons": dict(d.reasons),
-            **({"notes": list(d.notes)} if d.notes else {}),
-        }
+    def describe(self, d: Decision, owns, into: dict | None = None) -> dict:
+        """The decision as the audit record says it (both front ends), added to ``into`` (a new
+        dict when None) and returned."""
+        r = {} if into is None else into
+        r["event"] = "rewrite" if d.changed else "unchanged"
+        r["qos"] = d.qos.value
+        r["qos_source"] = d.qos_reason
+        request = d.request
+        r["request"] = request.bytes
+        r["request_source"] = request.source.value
+        if request.note:
+            r["request_note"] = request.note
+        node = self.node
+        r["limit"] = d.limit
+        r["allocatable"] = node.allocatable
+        r["factor"] = node.factor
+        r["page_size"] = node.page_size
+        r["policy"] = self.policy.value
+        if owns:
+            r["kubelet_owns"] = sorted(owns)
+        r["unified_before"] = dict(d.unified_before)
+        r["unified_after"] = dict(d.unified_after)
+        r["reasons"] = dict(d.reasons)
+        if d.notes:
+            r["notes"] = list(d.notes)
+        return r

@@ -15,9 +15,10 @@ class Rewritten:
     """``parsed``: the request message the rewriter parsed, as the rewrite made it (changed in
     place; None when parsing failed). ``decision``: what it decided (None when it did not
     decide). ``audit``: its audit record, or a callable that builds it in ``finished``.
-    ``memo``: what the rewriter remembers once the call succeeded (its own type)."""
+    ``memo``: what the rewriter remembers once the call succeeded (its own type).
+    ``container_id``: the id the runtime gave a created container ("" until the answer)."""
 
-    __slots__ = ("parsed", "decision", "audit", "memo")
+    __slots__ = ("parsed", "decision", "audit", "memo", "container_id")
 
     def __init__(self, parsed: Message | None, decision: Decision | None,
                  audit: dict | Callable[[], dict] | None, memo: Any = None) -> None:
@@ -25,3 +26,4 @@ class Rewritten:
         self.decision = decision
         self.audit = audit
         self.memo = memo
+        self.container_id = ""

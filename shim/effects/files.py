@@ -138,6 +138,15 @@ class RotatingFile:
             raise
         self.size = before + len(line)
 
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` more bytes go into the file as it is without a rotation (opening it
+        first when it is closed)."""
+        if self._file is None:
+            self.open()
+        if not self.max_bytes:
+            return True
+        return os.lseek(self._file.fileno(), 0, os.SEEK_END) + n <= self.max_bytes
+
     def rotate(self) -> None:
         """Close, rename ``path`` -> ``path.1`` -> ... (the oldest deleted), open a new ``path``."""
         self.close()

@@ -30,10 +30,14 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_KEEP = 5
 _REOPEN = object()  # on the queue: wakes the writer to reopen its file
+_encode = json.JSONEncoder(default=str).encode  # one encoder (json.dumps with default= makes one per call)
 
 
 class AuditLog(Worker):
-    """The audit log and its writer thread (``audit-writer``)."""
+    """The audit log and its writer thread (``audit-writer``), which takes every record queued
+    at once."""
+
+    batch = True
 
     def __init__(self, target: str | TextIO | None, *, max_pending: int = 10000,
                  max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP):
@@ -105,28 +109,65 @@ class AuditLog(Worker):
             self._stream.flush()
 
     def handle(self, items: list) -> None:
+        """Everything queued at once: serialized, then written in one write when the lines fit
+        in the file as it is (one by one otherwise, and when that write fails), in order."""
+        lines: list[str] = []
+        done: list[dict] = []
         for item in items:
-            if self._reopen:
-                self._reopen_file()
             if item is _REOPEN:
+                self._write(lines, done)
+                lines, done = [], []
                 continue
             try:
-                line = json.dumps(item, sort_keys=False, default=str) + "\n"
-                if self._file is not None:
-                    self._file.write(line.encode("utf-8"))
+                lines.append(_encode(item) + "\n")
+            except Exception as e:  # never let one bad record stop the writer
+                self._write_error(e)
+                continue
+            done.append(item)
+        self._write(lines, done)
+
+    def _write(self, lines: list[str], records: list[dict]) -> None:
+        if self._reopen:
+            self._reopen_file()
+        if not lines:
+            return
+        f = self._file
+        if f is not None and len(lines) > 1:
+            data = "".join(lines).encode("utf-8")
+            try:
+                fits = f.fits(len(data))
+                if fits:
+                    f.write(data)
+            except Exception:  # taken back by the file: written one by one below, each error its own
+                fits = False
+            if fits:
+                self.written += len(lines)
+                self._tell(records)
+                return
+        for line, record in zip(lines, records):
+            try:
+                if f is not None:
+                    f.write(line.encode("utf-8"))
                 elif self._stream is not None:
                     self._stream.write(line)
                 self.written += 1
             except Exception as e:  # never let one bad record stop the writer
-                self.write_errors += 1
-                if self.write_errors == 1 or self.write_errors % 1000 == 0:
-                    log.warning("audit record could not be written (%d so far): %s", self.write_errors, e)
+                self._write_error(e)
                 continue
-            for fn in self._listeners:
+            self._tell((record,))
+
+    def _tell(self, records) -> None:
+        for fn in self._listeners:
+            for record in records:
                 try:
-                    fn(item)
+                    fn(record)
                 except Exception:
                     log.exception("audit listener failed")
+
+    def _write_error(self, e: Exception) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1 or self.write_errors % 1000 == 0:
+            log.warning("audit record could not be written (%d so far): %s", self.write_errors, e)
 
     def _reopen_file(self) -> None:
         self._reopen = False

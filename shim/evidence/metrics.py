@@ -112,6 +112,13 @@ class _LiveCollector:
             dropped.add_metric([], float(audit.dropped))
             yield dropped
         yield from self._files(audit, m.recorder)
+        if m.finisher is not None:
+            dropped = CounterMetricFamily("memqos_finish_calls_dropped",
+                                          "finished calls whose work after the answer (audit record, recording, "
+                                          "reconciler event, CRI metrics) was dropped because more than "
+                                          "finish-max-pending were waiting for it")
+            dropped.add_metric([], float(m.finisher.dropped))
+            yield dropped
         if m.transport is not None:
             yield from self._transport(m.transport)
         relay = m.relay
@@ -333,6 +340,7 @@ class Metrics:
         self.reclaim_info = None  # memqos_reclaim_config, registered only with --reclaim true
         self.audit = None
         self.recorder = None  # shim.evidence.recorder.Recorder (--record): its files' counters
+        self.finisher = None  # shim.container.chain.CallFinisher: calls whose work after the answer was dropped
         self.monitor = None
         self.reconciler = None
         self.transport = None  # the CRI transport (the RelayProxy), from Service.start
@@ -348,9 +356,11 @@ class Metrics:
 
     # -- wiring
     def attach(self, *, audit=None, monitor=None, reconciler=None, transport=None, relay=None, nri=None,
-               health=None, ready=None, recorder=None, rollout=None) -> "Metrics":
+               health=None, ready=None, recorder=None, rollout=None, finisher=None) -> "Metrics":
         if recorder is not None:
             self.recorder = recorder
+        if finisher is not None:
+            self.finisher = finisher
         if audit is not None:
             self.audit = audit
             audit.add_listener(self.on_audit)

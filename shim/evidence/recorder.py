@@ -1,7 +1,8 @@
 """The recorder: every finished CRI call, appended to a file in the cri-trace format.
 
-``Recorder`` is an observer of the service's HookChain. ``finished()`` runs on the proxy's
-event loop, so it only checks the method filter and puts the call on a bounded queue; a
+``Recorder`` is an observer of the service's HookChain. ``finished()`` runs after each answer
+(in ``serve`` on the call-finisher thread, with the other calls of its batch), so it only
+checks the method filter and puts the call on a bounded queue; a
 writer thread base64-encodes, writes one JSON line and flushes it. A shim killed with
 SIGKILL therefore loses only the calls still in flight (and, at worst, the few the writer
 had not reached yet); every line already written is complete. If the writer falls behind
@@ -172,7 +173,7 @@ class Recorder(Worker):
 
     # -- observer ----------------------------------------------------------------
     def finished(self, call: Any) -> None:
-        """On the event loop: filter, number, enqueue. Never blocks."""
+        """After the answer: filter, number, enqueue. Never blocks."""
         seq = next(self._seq)
         if not self.filter(call.method):
             self.filtered += 1

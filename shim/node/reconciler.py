@@ -127,6 +127,22 @@ class ReconcilerObserver:
     def __init__(self, q: queue.SimpleQueue):
         self._q = q
         self._down = False
+        self._down_seen = False  # wants()' own view of it, on the transport's thread
+
+    def wants(self, call: RpcCall) -> bool:
+        """Whether ``finished`` has something to do with the call, asked on the transport's
+        thread before the call is handed over (``finished`` may run later): an observed method,
+        an UNAVAILABLE, and the first call that succeeds after one (it asks for the resync)."""
+        code = call.code
+        if code == "OK":
+            if self._down_seen:
+                self._down_seen = False
+                return True
+            return call.method in OBSERVED_METHODS
+        if code == "UNAVAILABLE":
+            self._down_seen = True
+            return True
+        return False
 
     def finished(self, call: RpcCall) -> None:
         code = call.code

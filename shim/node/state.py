@@ -115,7 +115,12 @@ class PodRecord:
 
     @property
     def qos(self) -> QoSClass | None:
-        q, _ = parse_cgroup_parent(self.cgroup_parent)
+        return self.qos_of(self.cgroup_parent)
+
+    def qos_of(self, cgroup_parent: str, parse=parse_cgroup_parent) -> QoSClass | None:
+        """The pod's QoS class given its ``cgroup_parent`` (``parse``: how a cgroup parent is
+        read, ``parse_cgroup_parent`` or a cache of it)."""
+        q, _ = parse(cgroup_parent)
         if q is not None:
             return q
         for c in self.containers.values():

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shim.decision.qos import parse_cgroup_parent
+
 if TYPE_CHECKING:
     from shim.node.state import NodeState
 
@@ -39,11 +41,28 @@ class NodeView:
 
     @classmethod
     def of(cls, state: NodeState) -> "NodeView":
+        """The view of ``state``: made after every batch the reconciler applies, so each pod's
+        cgroup parent is found once and read through a cache (a pod's parent does not change)."""
         out = []
+        parse = _parse_cached
         for pod in state.pods.values():
             parent = pod.cgroup_parent
-            qos = pod.qos
+            qos = pod.qos_of(parent, parse)
             for c in pod.containers.values():
                 out.append(ContainerRef(c.id, pod.namespace, pod.name, c.name, pod.uid, parent,
                                         qos.value if qos is not None else ""))
         return cls(tuple(out))
+
+
+_PARSED: dict = {}
+_PARSED_MAX = 4096  # cgroup parents remembered (about one per pod); beyond, the cache starts over
+
+
+def _parse_cached(cgroup_parent: str):
+    """``parse_cgroup_parent``, remembered (a pure function of a string)."""
+    got = _PARSED.get(cgroup_parent)
+    if got is None:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        got = _PARSED[cgroup_parent] = parse_cgroup_parent(cgroup_parent)
+    return got

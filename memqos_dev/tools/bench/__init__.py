@@ -11,11 +11,14 @@ each with fresh processes.
 Measured per target: p50/p99 of a small unary call (Version); p50 of 200 KB and 16 MiB
 replies (ExecSync); calls/s with 32 concurrent callers; a quick call's latency while 100 slow
 calls (PullImage, delayed 2 s by the runtime) are in flight; a CreateContainer (rewritten by the
-shim) against a passthrough call of the same request size; shim CPU per 1000 small calls; shim
+shim) against a passthrough call of the same request size; the same two kinds of call sent back to
+back by one client (each as soon as the answer to the one before is in: ~4 KB CreateContainer
+calls and passthrough calls of their size, in blocks per target), with the shim's CPU per call
+read after each block settles, so that work the shim does after an answer counts; shim CPU per 1000 small calls; shim
 RSS idle, after 20k and 100k calls (RSS growth) and at the end; and a kubelet-like steady
 load for a 110-pod node (the relist/status/stats mix of the recorded kubelet traces in tests/data/traces, per-container and
 per-pod calls scaled to 110 pods, list replies as large as 110 pods make them), reporting the
 shim's CPU share of one core during it.
 
-    python -m memqos_dev.tools.bench [--quick] [--runs N] [--transport grpc,relay] [--json FILE]
+    python -m memqos_dev.tools.bench [--quick] [--runs N] [--only back-to-back,...] [--json FILE]
 """

@@ -53,6 +53,47 @@ class Client:
                 out[name].append(clock() - t0)
         return out
 
+    def back_to_back(self, kinds: dict[str, tuple[str, Callable[[int, str], bytes]]], n: int, block: int,
+                     cpu_s: dict[str, Callable[[], float]], settle: float = 0.1, timeout: float = 30.0,
+                     ) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, float]]]:
+        """For each kind of call (name -> (method, requests)), n calls per target in blocks of
+        ``block`` calls sent back to back (each one as soon as the answer to the one before is
+        in). A round is one block of each kind against each target, the targets' order and the
+        kinds' order rotating from round to round, so that drift on the machine hits every kind
+        and target alike. Returns latencies in seconds per kind and target, and per kind the CPU
+        seconds (``cpu_s[target]()``, for the targets with a process of their own) each target's
+        process spent from the start of its blocks to ``settle`` seconds after their last
+        answer (so what a process does after an answer counts with the call, wherever it
+        runs)."""
+        names = list(self.targets)
+        kind_names = list(kinds)
+        out = {k: {x: [] for x in names} for k in kind_names}
+        cpu = {k: {x: 0.0 for x in names if x in cpu_s} for k in kind_names}
+        calls = {k: {x: self.unary(x, kinds[k][0]) for x in names} for k in kind_names}
+        clock = time.perf_counter
+        i = 0
+        for b in range((n + block - 1) // block):
+            count = min(block, n - b * block)
+            t = b % len(names)
+            for name in names[t:] + names[:t]:
+                k0 = b % len(kind_names)
+                for kind in kind_names[k0:] + kind_names[:k0]:
+                    call, lat = calls[kind][name], out[kind][name]
+                    reqs = [kinds[kind][1](i + j, name) for j in range(count)]
+                    measured = name in cpu[kind]
+                    if measured:
+                        time.sleep(settle)  # what making the requests cost the target is not counted
+                    c0 = cpu_s[name]() if measured else 0.0
+                    for req in reqs:
+                        t0 = clock()
+                        call(req, timeout=timeout)
+                        lat.append(clock() - t0)
+                    time.sleep(settle)
+                    if measured:
+                        cpu[kind][name] += cpu_s[name]() - c0
+            i += count
+        return out, cpu
+
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         for name in self.targets:

@@ -61,10 +61,14 @@ def run_upstream(listen: str) -> int:
 # ------------------------------------------------------------------------------------------ processes
 
 
-def has_transport_option() -> bool:
-    from shim.app.config import OPTIONS
-
-    return any(o.name == "transport" for o in OPTIONS)
+def has_transport_option(tree: Path = REPO) -> bool:
+    """Whether the `serve` of the checkout ``tree`` has a --transport option (read from its
+    options table's source, so that another checkout is not imported)."""
+    try:
+        source = (tree / "shim" / "app" / "config.py").read_text()
+    except OSError:
+        return False
+    return 'Option("transport"' in source
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -72,6 +76,23 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_precise_s(pid: int) -> float:
+    """The CPU time of the process's living threads in nanoseconds (``/proc/<pid>/task/*/schedstat``,
+    the scheduler's own count, not 10 ms ticks), as seconds; ``proc_cpu_s`` where there is no
+    schedstat. A thread that ended between two readings is not counted (``serve``'s threads
+    live as long as it does)."""
+    if not os.path.exists(f"/proc/{pid}/schedstat"):
+        return proc_cpu_s(pid)
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # the thread ended meanwhile
+            continue
+    return total / 1e9
 
 
 def proc_rss_mib(pid: int) -> float:
@@ -84,9 +105,14 @@ def proc_rss_mib(pid: int) -> float:
 
 class Processes:
     """The upstream and one shim per transport, in a temporary directory. ``sources`` (name ->
-    (transport, checkout)) serves other checkouts instead (scripts/bench-ab)."""
+    (transport, checkout)) serves other checkouts instead (scripts/bench-ab). The shims run the
+    transport path alone (``--reconcile false --monitor-interval 0``) unless ``serve_defaults``:
+    then with the reconciler and the monitor as `serve` runs by default (on the temporary
+    directory's cgroup tree)."""
 
-    def __init__(self, transports: list[str], sources: dict[str, tuple[str, Path]] | None = None) -> None:
+    def __init__(self, transports: list[str], sources: dict[str, tuple[str, Path]] | None = None, *,
+                 serve_defaults: bool = False) -> None:
+        self.serve_defaults = serve_defaults
         self.dir = Path(tempfile.mkdtemp(prefix="mqsb-"))
         self.upstream_sock = self.dir / "rt.sock"
         self.upstream: subprocess.Popen | None = None
@@ -120,12 +146,13 @@ class Processes:
             cmd = [sys.executable, "-m", "shim", "serve", "--listen", f"unix://{sock}",
                    "--upstream", f"unix://{self.upstream_sock}", "--kubelet-config", "none",
                    "--cgroup-root", str(cg), "--meminfo", str(self.dir / "meminfo"), "--page-size", "4096",
-                   "--audit-log", str(self.dir / f"audit-{t}.jsonl"), "--reconcile", "false",
-                   "--monitor-interval", "0", "--log-level", "warning"]
-            if src != REPO or has_transport_option():
+                   "--audit-log", str(self.dir / f"audit-{t}.jsonl"), "--log-level", "warning"]
+            if not self.serve_defaults:
+                cmd += ["--reconcile", "false", "--monitor-interval", "0"]
+            if has_transport_option(src):
                 cmd += ["--transport", transport]
-            elif transport != "grpc":
-                raise SystemExit(f"this checkout's shim has only the grpc transport, not {transport!r}")
+            elif transport != "relay":
+                raise SystemExit(f"the shim of {src} has no --transport option (it relays), not {transport!r}")
             self.shims[t] = subprocess.Popen(cmd, stdout=open(self.dir / f"shim-{t}.log", "w"),
                                              stderr=subprocess.STDOUT, env=self.env(src), cwd=str(src))
             self.socks[t] = sock

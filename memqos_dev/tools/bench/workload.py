@@ -42,6 +42,8 @@ TARGETS = {
     "rss_idle_mib": ("abs", 35.0),
     "rss_100k_mib": ("abs", 45.0),
     "rss_growth_mib": ("abs", 2.0),
+    "b2b_added_ratio": ("abs", 2.0),
+    "b2b_cpu_ms_per_create": ("abs", 0.4),
 }
 
 
@@ -56,12 +58,14 @@ class Sizes:
     load_calls: int = 100_000
     quick_calls: int = 10
     creates: int = 300
+    back_to_back: int = 600  # calls per target and kind, sent back to back in blocks of back_to_back_block
+    back_to_back_block: int = 50
     replay_seconds: float = 10.0
     replay_pods: int = 110
 
 
 QUICK = Sizes(runs=1, small=800, reply200k=100, reply16m=4, throughput_seconds=1.0, throughput_blocks=1,
-              load_calls=10_000, quick_calls=5, creates=100, replay_seconds=4.0)
+              load_calls=10_000, quick_calls=5, creates=100, back_to_back=200, replay_seconds=4.0)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -94,6 +98,45 @@ def exec_request(container_id: str, size: int) -> bytes:
     return pb.ExecSyncRequest(container_id=container_id, cmd=[EXEC_MAGIC, str(size)], timeout=30).SerializeToString()
 
 
+BACK_TO_BACK_BYTES = 4096
+
+
+def kubelet_sized_create(sandbox_id: str, sandbox: Any, name: str, size: int = BACK_TO_BACK_BYTES) -> Any:
+    """A Burstable CreateContainerRequest as a kubelet fills it for a container in a namespace with
+    a few services (their environment variables, the usual mounts and annotations), at least
+    ``size`` bytes: the kind of create ``serve`` rewrites, at a size real pods reach."""
+    from shim.tools.kubelet_requests import create_container
+
+    req = create_container(sandbox_id, sandbox, name, "burstable", request=128 * MiB, limit=256 * MiB)
+    c = req.config
+    uid = sandbox.metadata.uid
+    c.annotations.update({
+        "io.kubernetes.container.hash": "5d3f0a1c", "io.kubernetes.container.restartCount": "0",
+        "io.kubernetes.container.terminationMessagePath": "/dev/termination-log",
+        "io.kubernetes.container.terminationMessagePolicy": "File", "io.kubernetes.pod.terminationGracePeriod": "30",
+        "io.kubernetes.container.ports": '[{"name":"http","containerPort":8080,"protocol":"TCP"}]',
+    })
+    c.log_path = f"{name}/0.log"
+    pod_dir = f"/var/lib/kubelet/pods/{uid}"
+    for container_path, host_path, ro in (
+            ("/var/run/secrets/kubernetes.io/serviceaccount", f"{pod_dir}/volumes/kubernetes.io~projected/kube-api-access-x7k2p", True),
+            ("/etc/hosts", f"{pod_dir}/etc-hosts", False),
+            ("/dev/termination-log", f"{pod_dir}/containers/{name}/0d1e2f3a", False),
+            ("/data", f"{pod_dir}/volumes/kubernetes.io~empty-dir/data", False)):
+        c.mounts.add(container_path=container_path, host_path=host_path, readonly=ro)
+    k = 0
+    while req.ByteSize() < size:
+        svc = f"SERVICE_{k}"
+        host, port = f"10.96.{k // 250}.{k % 250 + 1}", str(8000 + k)
+        for key, value in ((f"{svc}_SERVICE_HOST", host), (f"{svc}_SERVICE_PORT", port),
+                           (f"{svc}_PORT", f"tcp://{host}:{port}"), (f"{svc}_PORT_{port}_TCP", f"tcp://{host}:{port}"),
+                           (f"{svc}_PORT_{port}_TCP_PROTO", "tcp"), (f"{svc}_PORT_{port}_TCP_PORT", port),
+                           (f"{svc}_PORT_{port}_TCP_ADDR", host)):
+            c.envs.add(key=key, value=value.encode())
+        k += 1
+    return req
+
+
 @dataclass
 class Workload:
     """Fake-runtime state the measurements use, created directly on the upstream."""
@@ -101,6 +144,7 @@ class Workload:
     exec_container: str = ""
     create_template: Any = None  # pb.CreateContainerRequest
     create_sandbox: str = ""
+    large_create: Any = None  # pb.CreateContainerRequest of about BACK_TO_BACK_BYTES, same sandbox
     replay_containers: list[str] = field(default_factory=list)
     replay_sandboxes: list[str] = field(default_factory=list)
     rates: dict[str, float] = field(default_factory=dict)
@@ -162,6 +206,7 @@ def prepare(target: str, sizes: Sizes, trace: Path | None) -> Workload:
         w.create_sandbox = rt.RunPodSandbox(pb.RunPodSandboxRequest(config=sbc), timeout=10).pod_sandbox_id
         template.pod_sandbox_id = w.create_sandbox
         w.create_template = template
+        w.large_create = kubelet_sized_create(w.create_sandbox, sbc, "app")
 
         for i in range(sizes.replay_pods):
             puid = f"{i:032x}"
