@@ -1,6 +1,6 @@
 """Protection never drops while pods stay: the real-kernel suite's sampling check.
 
-Runs inside the guest beside a trace scenario (e2e/guest.py, Scenario). Three parts:
+Runs inside the guest beside a trace scenario (Scenario, e2e/guest_traces.py). Three parts:
 
 * ``Sampler``: a thread that reads memory.min and memory.low of kubepods, its QoS cgroups and
   every pod cgroup every ``INTERVAL`` seconds, with the pod set of that moment (each pod cgroup
