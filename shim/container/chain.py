@@ -98,12 +98,7 @@ class HookChain:
             if wanted:
                 finisher.submit(call)
             return
-        self._account(call)
-        for observer in self.observers:
-            try:
-                observer.finished(call)
-            except Exception:
-                log.exception("observer %r failed on %s", observer, call.method)
+        self.after(call)
 
     def after(self, call: "RpcCall | _NotRewritten") -> None:
         """What a finished call leaves for later: the rewriter's audit record, then each observer
