@@ -6,12 +6,8 @@ Nothing here is on the CRI path. Which containers: the ones the shim rewrote sin
 state (rebuilt from the runtime at start, so containers created before a restart are watched
 too). Their cgroup directory is built, never taken as is, from request data:
 
-* the pod directory from the pod's cgroup_parent and uid through ``CgroupLayout.pod_from_parent``
-  (the reconciler's validation: the parent must be exactly where the kubelet's driver puts that
-  pod);
-* the container directory below it from the runtime's naming: cgroupfs ``<pod>/<id>``
-  (containerd) or ``<pod>/crio-<id>`` (CRI-O); systemd ``<pod>/cri-containerd-<id>.scope`` or
-  ``<pod>/crio-<id>.scope`` -- whichever exists. The id must look like an id.
+the pod directory from the pod's cgroup_parent and uid (the reconciler's validation), the
+container directory below it from the runtime's naming (containerd's or CRI-O's): shim.guard.locate.
 
 Every path is walked one component at a time with O_NOFOLLOW below the cgroup root and must lie
 in the kubepods subtree: a symlink, ``..`` or anything outside is refused (and audited once).
@@ -36,7 +32,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import time
 from dataclasses import replace
 from typing import Callable, Iterable
@@ -55,18 +50,16 @@ from shim.decision.guard import (
 )
 from shim.effects.cgroupfs import PathRefused
 from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups
-from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
+from shim.effects.layout import CgroupLayout
 from shim.effects.rollout import OBSERVE
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
+from shim.guard.locate import container_dir, node_layout
 from shim.guard.reclaim import TOTALS, ReclaimRunner
 from shim.guard.sampling import ContainerRef, MonitorSnapshot, Reading, reading_from
-from shim.node.facts import KubeletFacts, is_cgroup_v2
+from shim.node.facts import KubeletFacts
 from shim.worker import Probe, Worker
 
 log = logging.getLogger(__name__)
-
-_ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
-
 
 # -- containers ------------------------------------------------------------------------
 def refs_from_container_qos(container_qos) -> list[ContainerRef]:
@@ -170,18 +163,12 @@ class Monitor(Worker):
     # -- one round
     def _layout(self) -> str | None:
         """None when ready, else why the monitor is idle."""
-        if not is_cgroup_v2(self.cgroup_root):
-            return f"{self.cgroup_root} is not cgroup v2: nothing to sample"
-        k = self.kubelet
-        driver = k.cgroup_driver if k.source else detect_driver(self.cgroup_root, k.cgroup_root)
-        if driver is None:
-            return f"no kubepods cgroup under {self.cgroup_root} yet"
-        if self.layout is None or self.layout.driver != driver:
-            try:
-                self.layout = CgroupLayout(driver, k.cgroup_root)
-            except (ValueError, PathRefused) as e:
-                return str(e)
-            self.fs.set_allowed([self.layout.kubepods])
+        layout, why = node_layout(self.cgroup_root, self.kubelet, self.layout)
+        if layout is None:
+            return why
+        if layout is not self.layout:
+            self.layout = layout
+            self.fs.set_allowed([layout.kubepods])
             self._paths.clear()
         return None
 
@@ -209,20 +196,10 @@ class Monitor(Worker):
         cached = self._paths.get(ref.id)
         if cached is not None:
             return cached
-        if not _ID.match(ref.id or ""):
-            raise PathRefused(f"container id {ref.id[:80]!r} is not an id")
-        _, pod_path = self.layout.pod_from_parent(ref.cgroup_parent, ref.uid)
-        if self.layout.driver == SYSTEMD:
-            names = (f"cri-containerd-{ref.id}.scope", f"crio-{ref.id}.scope")
-        else:
-            names = (ref.id, f"crio-{ref.id}")
-        for name in names:
-            rel = f"{pod_path}/{name}"
-            self.fs.check(rel)
-            if self.fs.is_dir(rel):
-                self._paths[ref.id] = rel
-                return rel
-        return None
+        rel = container_dir(self.fs, self.layout, ref)
+        if rel is not None:
+            self._paths[ref.id] = rel
+        return rel
 
     def tick(self, now: float | None = None) -> list[tuple[ContainerRef, object]]:
         """Sample every container once and run the guard. Returns (ref, GuardDecision) for

@@ -106,7 +106,7 @@ class ContainerCalls(RuntimeState):
             },
             "linux": {
                 "resources": oci_linux_resources(c.resources),
-                "cgroupsPath": cgroups_path(c.sandbox_config.linux.cgroup_parent, c.id),
+                "cgroupsPath": cgroups_path(c.sandbox_config.linux.cgroup_parent, c.id, self.cgroup_prefix),
             },
         }
         info = {
@@ -291,8 +291,12 @@ class ContainerCalls(RuntimeState):
         c = self._find_container(req.container_id, "failed to find container")
         if req.HasField("linux"):
             new = copy_message(c.resources)
+            linux = req.linux
+            if not self.update_unified:  # CRI-O before 1.36: toOCIResources leaves unified out
+                linux = copy_message(linux)
+                linux.ClearField("unified")
             apply_linux_resources(
-                new, req.linux, swap_controller=self.swap_controller, hugetlb_controller=self.hugetlb_controller
+                new, linux, swap_controller=self.swap_controller, hugetlb_controller=self.hugetlb_controller
             )
             c.resources = new
             if self.cgroup_root is not None and c.state == pb.CONTAINER_RUNNING:

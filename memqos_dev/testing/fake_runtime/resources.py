@@ -81,12 +81,18 @@ def oci_linux_resources(r: pb.LinuxContainerResources) -> dict[str, Any]:
     return out
 
 
-def cgroups_path(cgroup_parent: str, id: str) -> str:
-    """containerd's getCgroupsPath: ``slice:cri-containerd:id`` under a systemd slice, else a path."""
+CONTAINERD_PREFIX = "cri-containerd"
+CRIO_PREFIX = "crio"
+
+
+def cgroups_path(cgroup_parent: str, id: str, prefix: str = CONTAINERD_PREFIX) -> str:
+    """containerd's getCgroupsPath: ``slice:cri-containerd:id`` under a systemd slice, else a path
+    (``<parent>/<id>``). CRI-O (``prefix`` "crio") names the leaf ``crio-<id>`` on cgroupfs too."""
     base = posixpath.basename(cgroup_parent)
     if base.endswith(".slice"):
-        return f"{base}:cri-containerd:{id}"
-    return posixpath.join(cgroup_parent, id) if cgroup_parent else id
+        return f"{base}:{prefix}:{id}"
+    leaf = id if prefix == CONTAINERD_PREFIX else f"{prefix}-{id}"
+    return posixpath.join(cgroup_parent, leaf) if cgroup_parent else leaf
 
 
 def expand_slice(name: str) -> str:
@@ -102,13 +108,13 @@ def expand_slice(name: str) -> str:
     return "/".join("-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
 
 
-def container_cgroup(cgroup_parent: str, id: str, driver: str) -> str:
+def container_cgroup(cgroup_parent: str, id: str, driver: str, prefix: str = CONTAINERD_PREFIX) -> str:
     """Where runc puts a container's cgroup (relative to the cgroup v2 root), from containerd's
     cgroupsPath: with the systemd driver ``slice:cri-containerd:id`` becomes the scope
     ``cri-containerd-<id>.scope`` in the expanded slice (the kubelet may send the full slice
     path or the leaf slice alone: only the leaf counts); with cgroupfs ``<parent>/<id>``.
     ValueError for the combinations runc refuses (systemd driver and a plain path)."""
-    path = cgroups_path(cgroup_parent, id)
+    path = cgroups_path(cgroup_parent, id, prefix)
     if driver == SYSTEMD:
         parts = path.split(":")
         if len(parts) != 3:
