@@ -117,7 +117,8 @@ def protobuf_backend() -> str:
 
 class Service:
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
-                 recorder=None, reconciler=None, monitor=None, metrics=None, *, version_pending: bool = False):
+                 recorder=None, reconciler=None, monitor=None, metrics=None, *, version_pending: bool = False,
+                 update_follower=None):
         self.cfg = cfg
         self.node = node
         self.kubelet = kubelet
@@ -135,6 +136,11 @@ class Service:
             # the removals are parsed on the reconciler's thread, which tells the rewriter
             container_qos.forget_from_calls = False
             reconciler.removal_listeners.append(container_qos.forget)
+        # shim.guard.update_follow.UpdateFollower: writes a container's memory.* values after an
+        # update on a runtime that leaves unified out of updates (CRI-O before 1.36)
+        self.update_follower = update_follower
+        if update_follower is not None:
+            self.hooks.observers.append(update_follower)
         # shim.guard.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
         self.monitor = monitor
         # --kubelet-version auto: shim.node.kubelet_version.KubeletVersionWatcher, started after the socket
@@ -200,6 +206,12 @@ class Service:
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler,
                                 rollout=rollout) if v2 else None
+        follower = None
+        if v2:
+            from shim.guard.update_follow import UpdateFollower
+
+            follower = UpdateFollower(cgroup_root=cfg.cgroup_root, kubelet=kubelet, emit=audit.emit,
+                                      container_qos=qos, page_size=page, reconciler=reconciler, rollout=rollout)
         metrics = None
         if cfg.metrics_address:  # prometheus_client costs ~2.5 MiB of RSS: only when used
             from shim.evidence.metrics import build_metrics
@@ -207,7 +219,7 @@ class Service:
             metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder,
                                     rollout=rollout)
         return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
-                   monitor=monitor, metrics=metrics, version_pending=pending)
+                   monitor=monitor, metrics=metrics, version_pending=pending, update_follower=follower)
 
     async def start(self) -> None:
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)

@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Callable, Iterable
 
 from shim.decision import reclaim as rc
@@ -55,6 +56,7 @@ from shim.effects.rollout import OBSERVE
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
 from shim.guard.locate import container_dir, node_layout
 from shim.guard.reclaim import TOTALS, ReclaimRunner
+from shim.guard.update_follow import KernelCheck
 from shim.guard.sampling import ContainerRef, MonitorSnapshot, Reading, reading_from
 from shim.node.facts import KubeletFacts
 from shim.worker import Probe, Worker
@@ -97,6 +99,7 @@ class Monitor(Worker):
         reclaim_audit_interval: float = 60.0,
         page_size: int | None = None,
         rollout=None,
+        expected: Callable[[str], object] | None = None,
     ):
         super().__init__("memqos-monitor", logger=log, label="monitor")
         self.cgroup_root = cgroup_root
@@ -132,6 +135,9 @@ class Monitor(Worker):
         self.reclaim = reclaim
         self.reclaim_audit_interval = reclaim_audit_interval
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
+        # expected(container id): the memory.* values its cgroup is to hold (None: not known);
+        # a cgroup holding others is reported (shim.guard.update_follow.KernelCheck)
+        self.kernel_check = KernelCheck(expected, emit, self.page_size) if expected is not None else None
         self.reclaimer = (ReclaimRunner(reclaim, self.fs, emit, self._error, self.page_size, reclaim_audit_interval)
                           if reclaim is not None else None)
 
@@ -253,7 +259,10 @@ class Monitor(Worker):
             decision = self._guard(ref, rel, reading, now)
             if decision is not None:
                 acted.append((ref, decision))
-            reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
+            mode = self._states.get(ref.id, GuardState()).mode
+            reading.relaxed = mode == RELAXED
+            if self.kernel_check is not None and not self.fs.rollout.observe:
+                self.kernel_check.check(ref, reading.path, files, skip_high=mode != WATCH)
             if self.reclaimer is not None:
                 try:
                     self.reclaimer.run(ref, rel, reading, files.get("memory.stat"), now)
@@ -270,6 +279,8 @@ class Monitor(Worker):
                 self._observed.pop(cid, None)
             if self.reclaimer is not None:
                 self.reclaimer.forget(alive, now)
+            if self.kernel_check is not None:
+                self.kernel_check.forget(alive)
             self._last_ref = {r.id: r for r in refs
                               if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
             self._save_episodes()
@@ -456,15 +467,25 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
             log.warning("--reclaim true has no effect with --monitor-interval 0: the monitor runs the reclaim")
         return None
     sources = []
+    expected = None
     if container_qos is not None:
         sources.append(lambda: refs_from_container_qos(container_qos))
+        expected = partial(known_values, container_qos)
     if reconciler is not None:
         sources.append(lambda: refs_from_reconciler(reconciler))
     guard = guard_for_ownership(cfg, getattr(container_qos, "ownership", None))
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
                    emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
                    reclaim=reclaim_config(cfg),
-                   reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout)
+                   reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout,
+                   page_size=cfg.page_size or None, expected=expected)
+
+
+def known_values(container_qos, cid: str):
+    """The memory.* values the rewriter's last decision for the container put in force (None:
+    a container it did not see created)."""
+    known = container_qos.containers.get(cid)
+    return known.unified if known is not None else None
 
 
 def guard_for_ownership(cfg, owners) -> GuardConfig:

@@ -81,6 +81,7 @@ def oci_linux_resources(r: pb.LinuxContainerResources) -> dict[str, Any]:
     return out
 
 
+KERNEL_DEFAULTS = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
 CONTAINERD_PREFIX = "cri-containerd"
 CRIO_PREFIX = "crio"
 
@@ -129,11 +130,15 @@ def container_cgroup(cgroup_parent: str, id: str, driver: str, prefix: str = CON
 
 def write_cgroup(directory: str, resources: pb.LinuxContainerResources, *, create: bool) -> None:
     """Write a container's resources into its cgroup directory as runc does: ``memory.max`` (the
-    limit, or "max") and every ``unified`` key. ``create`` makes the directory (task start);
+    limit, or "max") and every ``unified`` key. ``create`` makes the directory (task start),
+    with memory.min / memory.low / memory.high at the kernel's defaults;
     otherwise a missing directory is left alone (an update of a container without a task).
     ValueError for a unified key that is not a file name."""
     if create:
         os.makedirs(directory, exist_ok=True)
+        for name, default in KERNEL_DEFAULTS.items():  # a new cgroup has every memory.* file
+            with open(posixpath.join(directory, name), "w", encoding="ascii") as f:
+                f.write(default + "\n")
     elif not os.path.isdir(directory):
         return
     r = resources
