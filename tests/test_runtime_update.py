@@ -223,3 +223,65 @@ def test_version_parsing():
     assert parse_version("v2.1.9+unknown") == (2, 1, 9)
     assert parse_version("1.36") == (1, 36, 0)
     assert parse_version("x1.2") is None
+
+
+def test_a_container_created_before_the_shim_is_found_in_the_node_state(tmp_path, tree):
+    """The rewriter never saw it created: the reconciler's node state (rebuilt from the runtime)
+    places its cgroup, and the update's decision (QoS and request from the update) is written."""
+    from tests.reconciler_support import seed_runtime, wait_for
+
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root))
+    tree.make_pod("burstable", UID)
+    ids = seed_runtime(runtime, [("old", UID, "burstable", [("app", 32 * MI, 128 * MI)])])
+    cid = ids["app"]
+    with Stack(tmp_path, runtime, tree) as s:
+        s.version()
+        wait_for(lambda: any(r.id == cid for r in s.service.reconciler.view.containers))
+        assert cid not in s.service.service.container_qos.containers
+        before = s.read(cid, "memory.high")
+        u = pb.UpdateContainerResourcesRequest(container_id=cid)
+        u.linux.memory_limit_in_bytes = 256 * MI
+        u.linux.oom_score_adj = runtime.container(cid).resources.oom_score_adj
+        u.linux.unified["memory.min"] = str(32 * MI)  # a kubelet with the MemoryQoS gate on
+        s.kubelet.call("UpdateContainerResources", u, pb.UpdateContainerResourcesResponse)
+        s.service.sync()
+        (rec,) = s.records("update-write")
+        assert rec["pod"] == "default/old" and rec["written"]["memory.high"]["old"] == before
+        assert s.read(cid, "memory.high") == str(HIGH_256MI)
+
+
+def test_the_metrics_count_the_writes_and_the_failures():
+    from shim.evidence.metrics import Metrics
+    from tests.test_metrics import value
+
+    m = Metrics()
+    m.on_audit({"event": "update-write", "written": {"memory.high": {"old": "1", "new": "2"}}, "unchanged": {}})
+    m.on_audit({"event": "update-write", "written": {"memory.high": {"old": "1", "new": "2"}}, "rollout": "observe"})
+    m.on_audit({"event": "update-write-error", "error": "x"})
+    m.on_audit({"event": "kernel-mismatch", "differences": {}})
+    text = m.render().decode()
+    assert value(text, "memqos_cgroup_writes_total", level="container", file="memory.high") == 1
+    assert value(text, "memqos_update_write_errors_total") == 1
+    assert value(text, "memqos_kernel_mismatches_total") == 1
+
+
+def test_the_nri_handler_remembers_the_values_to_hold():
+    """NRI mode: the monitor's KernelCheck reads the same memory as in proxy mode."""
+    from shim.container.nri_handler import NriMemoryQoS
+    from shim.decision import Policy
+    from shim.guard.monitor import known_values
+    from tests.test_nri_front import NODE, nri_container, nri_pod
+
+    handler = NriMemoryQoS(NODE, Policy.HARD, lambda r: None)
+    pod = nri_pod("web", UID, "burstable")
+    c = nri_container("c1", pod, "app", "burstable", request=32 * MI, limit=128 * MI,
+                      unified={"memory.min": str(32 * MI)})
+    handler.create_container(pod, c)
+    assert dict(known_values(handler, "c1")) == {"memory.min": str(32 * MI), "memory.low": "0",
+                                                 "memory.high": str(HIGH_128MI)}
+    from shim.nri import api_pb2 as npb
+
+    resources = npb.LinuxResources()
+    resources.memory.limit.value = 256 * MI
+    handler.update_container(pod, c, resources)
+    assert known_values(handler, "c1")["memory.high"] == str(HIGH_256MI)
