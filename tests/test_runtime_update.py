@@ -85,7 +85,7 @@ def tree(tmp_path):
 
 @pytest.mark.parametrize("ask_version", [True, False], ids=["version-seen", "version-not-seen"])
 def test_crio_before_136_resize_gets_the_new_memory_high(tmp_path, tree, ask_version):
-    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root))
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root), kernel_files=True)
     with Stack(tmp_path, runtime, tree) as s:
         if ask_version:
             s.version()
@@ -115,9 +115,10 @@ def test_crio_before_136_resize_gets_the_new_memory_high(tmp_path, tree, ask_ver
 @pytest.mark.parametrize("name,version", [("cri-o", "1.36.0"), ("containerd", "1.7.24"), ("containerd", "2.1.9")])
 def test_runtimes_that_apply_unified_are_left_to_it(tmp_path, tree, name, version):
     if name == "cri-o":
-        runtime = FakeRuntime.crio(version, cgroup_root=str(tree.root))
+        runtime = FakeRuntime.crio(version, cgroup_root=str(tree.root), kernel_files=True)
     else:
-        runtime = FakeRuntime(runtime_name=name, runtime_version=version, cgroup_root=str(tree.root))
+        runtime = FakeRuntime(runtime_name=name, runtime_version=version, cgroup_root=str(tree.root),
+                              kernel_files=True)
     with Stack(tmp_path, runtime, tree) as s:
         s.version()
         cid = s.start_container()
@@ -129,7 +130,7 @@ def test_runtimes_that_apply_unified_are_left_to_it(tmp_path, tree, name, versio
 
 
 def test_a_failed_write_is_audited_and_the_call_still_succeeds(tmp_path, tree):
-    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root))
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root), kernel_files=True)
     with Stack(tmp_path, runtime, tree) as s:
         s.version()
         cid = s.start_container()
@@ -147,7 +148,7 @@ def test_a_failed_write_is_audited_and_the_call_still_succeeds(tmp_path, tree):
 
 
 def test_observe_writes_nothing(tmp_path, tree):
-    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root))
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root), kernel_files=True)
     with Stack(tmp_path, runtime, tree, extra=("--mode", "observe")) as s:
         s.version()
         cid = s.start_container()
@@ -164,7 +165,7 @@ def test_the_monitor_reports_a_cgroup_holding_other_values_than_decided(tmp_path
     from shim.guard.monitor import Monitor, known_values, refs_from_container_qos
     from shim.guard.monitor import guard_config
 
-    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root))
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root), kernel_files=True)
     with Stack(tmp_path, runtime, tree) as s:
         svc = s.service.service
         svc.hooks.observers.remove(svc.update_follower)
@@ -230,7 +231,7 @@ def test_a_container_created_before_the_shim_is_found_in_the_node_state(tmp_path
     places its cgroup, and the update's decision (QoS and request from the update) is written."""
     from tests.reconciler_support import seed_runtime, wait_for
 
-    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root))
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root), kernel_files=True)
     tree.make_pod("burstable", UID)
     ids = seed_runtime(runtime, [("old", UID, "burstable", [("app", 32 * MI, 128 * MI)])])
     cid = ids["app"]

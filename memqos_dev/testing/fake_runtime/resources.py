@@ -128,15 +128,17 @@ def container_cgroup(cgroup_parent: str, id: str, driver: str, prefix: str = CON
     return path.lstrip("/")
 
 
-def write_cgroup(directory: str, resources: pb.LinuxContainerResources, *, create: bool) -> None:
+def write_cgroup(directory: str, resources: pb.LinuxContainerResources, *, create: bool,
+                 kernel_files: bool = False) -> None:
     """Write a container's resources into its cgroup directory as runc does: ``memory.max`` (the
     limit, or "max") and every ``unified`` key. ``create`` makes the directory (task start),
-    with memory.min / memory.low / memory.high at the kernel's defaults;
+    with ``kernel_files`` also memory.min / memory.low / memory.high at the kernel's defaults
+    (without, a file exists only when something wrote it);
     otherwise a missing directory is left alone (an update of a container without a task).
     ValueError for a unified key that is not a file name."""
     if create:
         os.makedirs(directory, exist_ok=True)
-        for name, default in KERNEL_DEFAULTS.items():  # a new cgroup has every memory.* file
+        for name, default in KERNEL_DEFAULTS.items() if kernel_files else ():  # as a new cgroup has them
             with open(posixpath.join(directory, name), "w", encoding="ascii") as f:
                 f.write(default + "\n")
     elif not os.path.isdir(directory):

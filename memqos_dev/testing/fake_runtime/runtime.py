@@ -77,6 +77,9 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
     * ``exec_sync_output``: None, or a function of the ExecSync command returning its
       (stdout, stderr, exit_code), or None for ``exec_sync_result``.
     * ``swap_controller`` / ``hugetlb_controller``: see ``apply_linux_resources``.
+    * ``kernel_files``: a started container's cgroup also gets memory.min / memory.low /
+      memory.high at the kernel's defaults, as a real one has them (off: a file exists only when
+      something wrote it, which some tests look at).
     * ``update_unified``: whether UpdateContainerResources applies ``unified`` (containerd and
       CRI-O >= 1.36 do; CRI-O before 1.36 applies the limit and leaves the keys as they were).
 
@@ -104,6 +107,7 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
         cgroup_root: str | None = None,
         update_unified: bool = True,
         cgroup_prefix: str = CONTAINERD_PREFIX,
+        kernel_files: bool = False,
     ):
         if cgroup_driver not in (CGROUPFS, SYSTEMD):
             raise ValueError(f"cgroup_driver must be {CGROUPFS!r} or {SYSTEMD!r}, not {cgroup_driver!r}")
@@ -124,6 +128,7 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
         # creates it: memory.max and every unified key written, updates applied, removed at exit
         self.cgroup_root = cgroup_root
         self.update_unified = update_unified
+        self.kernel_files = kernel_files  # new container cgroups get memory.min/low/high at the kernel's defaults
         self.cgroup_prefix = cgroup_prefix  # the container cgroup's leaf: <prefix>-<id> (cgroupfs: <id> for containerd)
         self.exec_sync_result: tuple[bytes, bytes, int] = (b"", b"", 0)
         self.exec_sync_output: Callable[[list[str]], tuple[bytes, bytes, int] | None] | None = None

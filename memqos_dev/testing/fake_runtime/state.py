@@ -142,7 +142,7 @@ class RuntimeState:
         return posixpath.join(self.cgroup_root, rel)
 
     def _write_cgroup(self, c: Container, *, create: bool) -> None:
-        write_cgroup(self.cgroup_dir(c), c.resources, create=create)
+        write_cgroup(self.cgroup_dir(c), c.resources, create=create, kernel_files=self.kernel_files)
 
     def _remove_cgroup(self, c: Container) -> None:
         try:
