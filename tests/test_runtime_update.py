@@ -286,3 +286,23 @@ def test_the_nri_handler_remembers_the_values_to_hold():
     resources.memory.limit.value = 256 * MI
     handler.update_container(pod, c, resources)
     assert known_values(handler, "c1")["memory.high"] == str(HIGH_256MI)
+
+
+def test_an_update_without_a_memory_limit_is_not_followed(tmp_path, tree):
+    """The CPU manager's update carries the cpuset alone: the runtime keeps the limit, and the
+    values decided from an update without it (memory.high from allocatable) are not written."""
+    runtime = FakeRuntime.crio("1.34.11", cgroup_root=str(tree.root), kernel_files=True)
+    with Stack(tmp_path, runtime, tree) as s:
+        s.version()
+        cid = s.start_container()
+        u = pb.UpdateContainerResourcesRequest(container_id=cid)
+        u.linux.cpuset_cpus = "0"
+        s.kubelet.call("UpdateContainerResources", u, pb.UpdateContainerResourcesResponse)
+        s.service.sync()
+        assert s.read(cid, "memory.high") == str(HIGH_128MI)
+        assert s.records("update-write") == []
+        known = s.service.service.container_qos.containers[cid]
+        assert known.limit == 128 * MI and known.unified["memory.high"] == str(HIGH_128MI)
+        s.crictl_update(cid, 256 * MI)  # a limit again: followed
+        assert s.read(cid, "memory.high") == str(HIGH_256MI)
+        assert s.service.service.container_qos.containers[cid].limit == 256 * MI

@@ -47,6 +47,13 @@ class KnownContainer(NamedTuple):
     # last decision it answered OK for (creation, then each UpdateContainerResources); the
     # monitor reports a cgroup that holds something else
     unified: Mapping[str, str] = MappingProxyType({})
+    limit: int = 0  # the memory limit in force (0: none), from creation and updates that carry one
+
+
+def without_limit(update: Any, known: KnownContainer | None) -> bool:
+    """Whether an UpdateContainerResources leaves out the memory limit of a container known to
+    have one (the runtime keeps the limit in force: a zero field changes nothing)."""
+    return known is not None and known.limit > 0 and update.linux.memory_limit_in_bytes <= 0
 
 
 def _create_base(pod: PodFacts, name: str, sandbox_id: str) -> dict:
@@ -251,12 +258,17 @@ class ContainerMemoryQoS:
                 self.forget(event)
 
     def _updated(self, note: Rewritten) -> None:
-        """The runtime answered OK to an update: the container's cgroup is to hold its decision."""
+        """The runtime answered OK to an update: the container's cgroup is to hold its decision
+        (not for an update without a memory limit of a container that has one, such as the CPU
+        manager's cpuset-only update: the runtime keeps the limit, and a decision made without it
+        is not the container's)."""
         cid = note.parsed.container_id if note.parsed is not None else ""
         known = self.containers.get(cid)
-        if known is not None:
-            values = kernel_values(note.decision, self.kubelet_keys)
-            self.containers[cid] = known._replace(unified=MappingProxyType(values))
+        if known is None or without_limit(note.parsed, known):
+            return
+        values = kernel_values(note.decision, self.kubelet_keys)
+        self.containers[cid] = known._replace(unified=MappingProxyType(values),
+                                              limit=max(0, note.parsed.linux.memory_limit_in_bytes))
 
     def forget(self, event: ContainerRemoved | PodSandboxRemoved) -> None:
         """A container or a sandbox was removed: its containers leave the memory (any thread:
@@ -285,7 +297,7 @@ class ContainerMemoryQoS:
         owns = self.kubelet_keys
         decision = decide(pod, container_facts(name, resources), self.node, self.policy, kubelet_owns=owns)
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request,
-                              MappingProxyType(kernel_values(decision, owns)))
+                              MappingProxyType(kernel_values(decision, owns)), max(0, decision.limit))
         lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               pod.cgroup_parent)
