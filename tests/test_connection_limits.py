@@ -239,6 +239,37 @@ def test_one_process_keeps_at_most_its_per_peer_limit(loop, base):
     assert (s.relay.shed_peer_idle, s.relay.shed_idle, s.relay.shed_limit, s.relay.shed_peer_limit) == (3, 0, 0, 0)
 
 
+def test_a_process_whose_connections_are_all_busy_gets_no_more(loop, base):
+    """At max-connections-per-peer with a call in flight on each of its connections, the
+    process's new connection is refused (GOAWAY ENHANCE_YOUR_CALM naming the per-process limit)
+    and counted; its call goes on."""
+    s = Stack(base, max_connections=100, max_connections_per_peer=1)
+    path = f"{base}/shim.sock"
+    gate = asyncio.Event()
+    s.echo.behave(EVENTS, stream_messages=2, gate=gate)
+
+    async def body():
+        await s.start()
+        in_loop = asyncio.get_running_loop().run_in_executor
+        try:
+            call = s.channel.unary_stream(EVENTS)(b"a", timeout=20)
+            first = await call.read()
+            extra = await in_loop(None, _open_raw, path)
+            shed = await in_loop(None, _frames_until_closed, extra, 10)
+            extra.close()
+            gate.set()
+            return [first] + await _rest(call), await call.code(), shed
+        finally:
+            await s.stop()
+
+    messages, code, shed = run(loop, body())
+    assert code == grpc.StatusCode.OK and messages == [response_bytes(EVENTS, b"a", i) for i in range(2)]
+    assert [f[0] for f in shed] == [SETTINGS_FRAME, GOAWAY_FRAME]
+    assert int.from_bytes(shed[1][2][4:8], "big") == 0xB
+    assert b"the limit per process is 1, none of them idle" in shed[1][2][8:]
+    assert (s.relay.shed_peer_limit, s.relay.shed_peer_idle, s.relay.shed_limit) == (1, 0, 0)
+
+
 def test_max_connections_is_a_setting_with_a_default():
     from shim.app.config import OPTIONS
     from shim.app.settings import Config
