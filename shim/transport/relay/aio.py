@@ -5,8 +5,9 @@ gets its upstream socket at once (a connection is taken only with both of its de
 cannot be paired is sent GOAWAY, closed and counted; at ``max_connections`` or its peer's
 ``max_connections_per_peer`` an idle open connection is closed to make room, ``shedding.py``,
 and only when none is idle is the newcomer refused the same way) and a ``_ClientSide``
-protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands both transports' bytes to the connection's sans-I/O ``Connection``. What the connection returns
-is done here (``_ClientSide.act``): its writes go to the transports as they are (the pieces are
+protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands both transports'
+bytes to the connection's sans-I/O ``Connection``. What the connection returns is done here
+(``_ClientSide.act``): its writes go to the transports as they are (the pieces are
 the bytes read or views of them: no copy in between), then its events -- ``HeldRequest``: the
 hooks' ``rewrite`` (guarded: the original bytes when it fails) handed back with
 ``send_request``; ``CallEnded``: the hooks' ``finished``; ``NotRewritten``: logged and told to
@@ -545,8 +546,9 @@ class RelayProxy:
         self._terminated = asyncio.Event()
         trim_heap()
         log.info("CRI relay serving on %s (mode %#o%s), upstream unix://%s, event loop %s, at most %d "
-                 "connections (%d per process)", self.listen_path, self.socket_mode, "" if gid is None else f", group {gid}",
-                 self.upstream_path, type(loop).__module__, self.max_connections, self.max_connections_per_peer)
+                 "connections (%d per process)", self.listen_path, self.socket_mode,
+                 "" if gid is None else f", group {gid}", self.upstream_path, type(loop).__module__,
+                 self.max_connections, self.max_connections_per_peer)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting connections, tell clients to open no new streams (GOAWAY), give calls
