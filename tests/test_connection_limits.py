@@ -29,10 +29,12 @@ from shim.transport.wire.h2 import frame
 
 try:
     from tests.leaky_client import open_settled
+    from tests.test_grpc_go_client import GoClient, grpcgo  # noqa: F401 - grpcgo: the fixture
     from tests.test_relay import Hooks, Stack, _frames_until_closed, base, loop, run  # noqa: F401
     from tests.upstream_echo import EchoUpstream, response_bytes
 except ImportError:
     from leaky_client import open_settled
+    from test_grpc_go_client import GoClient, grpcgo  # noqa: F401
     from test_relay import Hooks, Stack, _frames_until_closed, base, loop, run  # noqa: F401
     from upstream_echo import EchoUpstream, response_bytes
 
@@ -237,6 +239,46 @@ def test_one_process_keeps_at_most_its_per_peer_limit(loop, base):
     assert [r["closed"] for r in report] == [True] * 3 + [False] * 4
     assert peers == {os.getpid(): 1, leaky_pid: 4}
     assert (s.relay.shed_peer_idle, s.relay.shed_idle, s.relay.shed_limit, s.relay.shed_peer_limit) == (3, 0, 0, 0)
+
+
+def test_a_grpc_go_client_whose_idle_connection_was_closed_calls_again(loop, base, grpcgo):
+    """grpc-go, the kubelet's HTTP/2 stack, takes the GOAWAY of an idle connection closed at the
+    limit in its stride: its next call on that service opens a new connection and is answered.
+    Three places; the grpc-go client (one connection per service, as the kubelet) holds the most
+    when a third process connects, so its quieter one (the image service's) is closed; every call
+    it makes after that is answered."""
+    s = Stack(base, max_connections=3)
+    path = f"{base}/shim.sock"
+    list_images = "/runtime.v1.ImageService/ListImages"
+
+    async def body():
+        await s.start()
+        in_loop = asyncio.get_running_loop().run_in_executor
+        go = await in_loop(None, GoClient, grpcgo, path)
+        leaky = LeakyClient(path, 1)
+        raw = None
+        try:
+            first = await in_loop(None, go.call, VERSION, b"v1")
+            await in_loop(None, leaky.opened)
+            raw, _ = await in_loop(None, open_settled, path)  # the third process: one too many
+            shed_before = s.relay.shed_idle
+            images = await in_loop(None, go.call, list_images, b"i")
+            version = await in_loop(None, go.call, VERSION, b"v2")
+            return first, images, version, shed_before
+        finally:
+            if raw is not None:
+                raw.close()
+            await in_loop(None, go.close)
+            await in_loop(None, leaky.end)
+            await s.stop()
+
+    first, images, version, shed_before = run(loop, body())
+    assert (first.code, first.responses) == ("OK", [response_bytes(VERSION, b"v1")])
+    assert (images.code, images.responses) == ("OK", [response_bytes(list_images, b"i")])
+    assert (version.code, version.responses) == ("OK", [response_bytes(VERSION, b"v2")])
+    # grpc-go 1.33 (Debian's) reconnects a closed connection at once, before any call: each
+    # reconnect closes the idle connection quiet longest, until the ones that do not reconnect went
+    assert shed_before >= 1 and (s.relay.shed_limit, s.relay.shed_peer_idle) == (0, 0)
 
 
 def test_a_process_whose_connections_are_all_busy_gets_no_more(loop, base):
