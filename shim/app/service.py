@@ -238,7 +238,8 @@ class Service:
                           idle_timeout=cfg.h2_idle_timeout)
         self.proxy = RelayProxy(cfg.listen, cfg.upstream, self.hooks, methods=CRI_METHODS,
                                 socket_mode=mode, socket_group=cfg.socket_group, limits=limits,
-                                max_connections=cfg.max_connections)
+                                max_connections=cfg.max_connections,
+                                max_connections_per_peer=cfg.max_connections_per_peer)
         if self.metrics is not None:
             self.metrics.attach(relay=self.proxy)  # its limit_hits
         factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop

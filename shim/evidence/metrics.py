@@ -259,10 +259,17 @@ class _LiveCollector:
             yield g
             c = CounterMetricFamily(
                 "memqos_transport_connections_shed",
-                "connections sent GOAWAY and closed at once: beyond max-connections (limit), or for want of "
-                "a file descriptor for the kubelet's side or the runtime's (descriptors)", labels=("reason",))
+                "connections sent GOAWAY and closed: a new one at max-connections with no open one idle "
+                "(limit), at its process's max-connections-per-peer likewise (peer_limit), for want of a file "
+                "descriptor for the kubelet's side or the runtime's (descriptors); an idle open one for a new "
+                "one at max-connections (idle), at its process's max-connections-per-peer (peer_idle)",
+                labels=("reason",))
             c.add_metric(["limit"], float(t.shed_limit))
             c.add_metric(["descriptors"], float(t.shed_descriptors))
+            for reason in ("peer_limit", "idle", "peer_idle"):
+                counted = getattr(t, f"shed_{reason}", None)
+                if counted is not None:
+                    c.add_metric([reason], float(counted))
             yield c
         if getattr(t, "upstream_failures", None) is not None:
             c = CounterMetricFamily("memqos_transport_upstream_unreachable",
