@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shim.app.config import OPTIONS, Option
+from shim.app.config import FLAG, OPTIONS, Option
 from shim.decision import Policy
 
 BEGIN_TABLE = "<!-- the table below is generated from OPTIONS (shim/app/config.py) by scripts/gen-config: begin -->\n"
@@ -44,10 +44,18 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+FILE_ONLY = "file only"  # the flag cell of a setting that is a config-file key only
+
+
+def flag_cell(o: Option) -> str:
+    """`--NAME` for a setting that is also a flag of serve and nri, else FILE_ONLY."""
+    return f"`--{o.name}`" if o.where == FLAG else FILE_ONLY
+
+
 def table_rows(options: tuple[Option, ...] = OPTIONS) -> list[str]:
-    rows = ["| flag / YAML key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| YAML key | flag | type | default | meaning |", "|---|---|---|---|---|"]
     for o in options:
-        rows.append(f"| `--{o.name}` / `{o.name}` | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
+        rows.append(f"| `{o.name}` | {flag_cell(o)} | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
     return rows
 
 
