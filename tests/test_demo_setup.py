@@ -37,8 +37,9 @@ def test_a_first_demo_installs_the_runtime_package_only_and_says_so(tmp_path):
     assert "== installing memqos-shim and its runtime dependencies into .venv" in first.stderr
     assert "== installed in " in first.stderr and "== running the demo" in first.stderr
     assert "{} -> {memory.min=256Mi (268435456)}" in first.stdout
-    listed = run(root, ".venv/bin/python", "-m", "pip", "list", "--format", "json", "--disable-pip-version-check")
-    names = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
+    listed = run(root, ".venv/bin/python", "-c", "import importlib.metadata as m, json; "
+                 "print(json.dumps([d.metadata['Name'] for d in m.distributions()]))")
+    names = {name.lower().replace("_", "-") for name in json.loads(listed.stdout)}
     assert RUNTIME <= names and not names & TEST_ONLY, names & TEST_ONLY
     assert run(root, ".venv/bin/memqos-shim", "--version").stdout.startswith("memqos-shim ")
     again = run(root, "bash", "scripts/demo")
