@@ -1,9 +1,10 @@
 """`memqos-shim serve` configuration: flags, each also settable in a YAML file (--config).
 
 Precedence: a flag on the command line > the YAML file > the built-in default.
-YAML keys are the flag names without dashes prefix, e.g. `node-allocatable: 30Gi`
-(underscores also accepted). Unknown keys are an error, so a typo cannot silently
-leave a node with defaults.
+YAML keys are the setting names, e.g. `node-allocatable: 30Gi` (underscores also accepted);
+the settings marked ``where=FILE`` are file keys only, the others flags too. Unknown keys are an
+error, so a typo cannot silently leave a node with defaults. An error names the setting as the
+user gave it: the flag (``--factor: ...``) or the file, line and key (``config.yaml:3: factor: ...``).
 
 OPTIONS is the one table of the settings: flag name, Python type, default, parser, help.
 The resolved settings are a `Config` (shim/app/settings.py): a frozen dataclass with one typed
@@ -23,16 +24,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
-import yaml
-
+from shim.app.config_file import ConfigError, FileValue, read_settings_file
 from shim.app.settings import FIELDS, Config
 from shim.decision import Policy
 from shim.decision.quantity import QuantityError, parse_bytes
 from shim.effects.rollout import MODES
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _factor(v: Any) -> float | None | str:
@@ -43,9 +39,9 @@ def _factor(v: Any) -> float | None | str:
     try:
         f = float(v)
     except (TypeError, ValueError):
-        raise ConfigError(f"factor must be a number in (0, 1], 'auto' or 'none', not {v!r}")
+        raise ConfigError(f"must be a number in (0, 1], 'auto' or 'none', not {v!r}")
     if not 0 < f <= 1:
-        raise ConfigError(f"factor must be in (0, 1], not {f}")
+        raise ConfigError(f"must be in (0, 1], not {f}")
     return f
 
 
@@ -204,12 +200,19 @@ def _record_path(v: Any) -> str | None:
 
 
 def _octal_mode(v: Any) -> int:
-    try:
-        mode = int(str(v), 8)
-    except ValueError:
-        raise ConfigError(f"socket mode must be octal, e.g. 0600, not {v!r}")
+    """Permission bits written in octal (0600, 600, 0o600); an int is taken as the bits. From the
+    config file it gets the text as written (Option.file_text): YAML would read 0600 as 384."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        mode = v
+    else:
+        text = str(v).strip().lower().removeprefix("0o")
+        if not re.fullmatch(r"[0-7]{1,4}", text):
+            raise ConfigError(f"must be an octal mode, e.g. 0600, not {v!r}")
+        mode = int(text, 8)
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"must be permission bits 0000..0777, not {mode:#o}")
     if mode & 0o007:
-        raise ConfigError(f"socket mode {v} gives access to other users; refused")
+        raise ConfigError(f"{mode:04o} gives access to other users; refused")
     return mode
 
 
@@ -254,6 +257,7 @@ class Option:
     help: str
     metavar: str | None = None
     where: str = FLAG
+    file_text: bool = False  # from the config file, parse gets the scalar's text as written, not YAML's reading
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -308,7 +312,7 @@ OPTIONS: tuple[Option, ...] = (
            "beyond it that process's idle connection quiet longest is sent GOAWAY and closed for its new one, "
            "which is refused only when all of that process's connections have a call in flight", "N", where=FILE),
     Option("socket-mode", "int | None", None, _octal_mode,
-           "socket mode (octal); default 0600, or 0660 with --socket-group", where=FILE),
+           "socket mode (octal); default 0600, or 0660 with --socket-group", where=FILE, file_text=True),
     Option("h2-max-header-block", "int", 1024 * 1024, _quantity,
            "relay: largest header block (HEADERS + CONTINUATION) a kubelet connection may send, advertised as "
            "SETTINGS_MAX_HEADER_LIST_SIZE; beyond it GOAWAY ENHANCE_YOUR_CALM and the connection is closed", "Q",
@@ -476,28 +480,28 @@ NOT_SETTINGS = {
 }
 
 
-def load_file(path: str) -> dict[str, Any]:
+def load_entries(path: str) -> dict[str, FileValue]:
+    """The file's settings by name, each with its key as written and its line."""
+    names = {key: o.name for key, o in _BY_KEY.items()}
+    return read_settings_file(path, names, NOT_SETTINGS)
+
+
+def _parse(o: Option, raw: Any) -> Any:
+    """``raw`` (a flag's text, or a FileValue) parsed; a ConfigError names the flag or the
+    file, line and key as written."""
+    if isinstance(raw, FileValue):
+        value = raw.text if o.file_text and raw.text is not None else raw.value
+        said = raw.where
+    else:
+        value, said = raw, f"--{o.name}"
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror}")
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path}: not YAML: {e}")
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ConfigError(f"config file {path}: expected a map of settings")
-    unknown = sorted(k for k in doc if k not in _BY_KEY)
-    if unknown:
-        hints = "".join(f"; {k}: {NOT_SETTINGS[str(k).replace('_', '-')]}" for k in unknown
-                        if str(k).replace("_", "-") in NOT_SETTINGS)
-        raise ConfigError(f"config file {path}: unknown settings {unknown}{hints}; known: {[o.name for o in OPTIONS]}")
-    return {_BY_KEY[k].name: v for k, v in doc.items()}
+        return o.parse(value)
+    except ConfigError as e:
+        raise ConfigError(f"{said}: {e}") from None
 
 
 def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> Config:
-    from_file = load_file(args.config) if getattr(args, "config", None) else {}
+    from_file = load_entries(args.config) if getattr(args, "config", None) else {}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for o in options:
@@ -509,10 +513,7 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
             raw, where = from_file[o.name], "file"
         else:
             continue
-        try:
-            values[attr] = o.parse(raw)
-        except ConfigError as e:
-            raise ConfigError(f"--{o.name}: {e}") from None
+        values[attr] = _parse(o, raw)
         origin[attr] = where
     return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
 
@@ -521,7 +522,7 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
     """The settings a start would resolve now: ``cfg``'s values that came from flags (flags are
     not read again), over the file at ``path`` as it is now, over the defaults. ConfigError
     for an unreadable file, an unknown key or a bad value, as at start."""
-    from_file = load_file(path)
+    from_file = load_entries(path)
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for o in options:
@@ -529,10 +530,7 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
         if cfg.origin.get(attr) == "flag":
             values[attr], origin[attr] = getattr(cfg, attr), "flag"
         elif o.name in from_file:
-            try:
-                values[attr] = o.parse(from_file[o.name])
-            except ConfigError as e:
-                raise ConfigError(f"config file {path}: {o.name}: {e}") from None
+            values[attr] = _parse(o, from_file[o.name])
             origin[attr] = "file"
     return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
 

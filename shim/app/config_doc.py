@@ -44,15 +44,18 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def setting_cell(o: Option) -> str:
-    """`--name` / `name` for a flag that is a config-file key too; `name` (config file only)."""
-    return f"`--{o.name}` / `{o.name}`" if o.where == FLAG else f"`{o.name}` (config file only)"
+FILE_ONLY = "file only"  # the flag cell of a setting that is a config-file key only
+
+
+def flag_cell(o: Option) -> str:
+    """`--NAME` for a setting that is also a flag of serve and nri, else FILE_ONLY."""
+    return f"`--{o.name}`" if o.where == FLAG else FILE_ONLY
 
 
 def table_rows(options: tuple[Option, ...] = OPTIONS) -> list[str]:
-    rows = ["| flag / YAML key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| YAML key | flag | type | default | meaning |", "|---|---|---|---|---|"]
     for o in options:
-        rows.append(f"| {setting_cell(o)} | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
+        rows.append(f"| `{o.name}` | {flag_cell(o)} | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
     return rows
 
 
