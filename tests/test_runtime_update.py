@@ -306,3 +306,70 @@ def test_an_update_without_a_memory_limit_is_not_followed(tmp_path, tree):
         s.crictl_update(cid, 256 * MI)  # a limit again: followed
         assert s.read(cid, "memory.high") == str(HIGH_256MI)
         assert s.service.service.container_qos.containers[cid].limit == 256 * MI
+
+
+def cpuset_only(cid: str) -> pb.UpdateContainerResourcesRequest:
+    """The kubelet CPU manager's update: the cpuset alone (no memory limit, no unified)."""
+    u = pb.UpdateContainerResourcesRequest(container_id=cid)
+    u.linux.cpuset_cpus = "0-1"
+    return u
+
+
+def update_records(s: Stack, event: str) -> list[dict]:
+    """The UpdateContainerResources audit records of that event, once there is one (the call is
+    handed to the call-finisher after the kubelet has its answer)."""
+    from tests.reconciler_support import wait_for
+
+    return wait_for(lambda: [r for r in s.records(event) if r.get("method") == "UpdateContainerResources"])
+
+
+@pytest.mark.parametrize("name,version", [("containerd", "1.7.24"), ("containerd", "2.1.9"), ("cri-o", "1.36.0")])
+def test_a_cpuset_only_update_leaves_the_memory_values_in_force(tmp_path, tree, name, version):
+    """The runtime merges the update into the container's resources (a zero limit and a key left
+    out of unified change nothing), so the update goes upstream without memory keys and the cgroup
+    keeps the creation's memory.high, not one computed from allocatable."""
+    if name == "cri-o":
+        runtime = FakeRuntime.crio(version, cgroup_root=str(tree.root), kernel_files=True)
+    else:
+        runtime = FakeRuntime(runtime_name=name, runtime_version=version, cgroup_root=str(tree.root),
+                              kernel_files=True)
+    with Stack(tmp_path, runtime, tree) as s:
+        s.version()
+        cid = s.start_container()
+        created = {k: s.read(cid, k) for k in ("memory.min", "memory.low", "memory.high", "memory.max")}
+        assert created["memory.high"] == str(HIGH_128MI) and created["memory.max"] == str(128 * MI)
+        s.kubelet.call("UpdateContainerResources", cpuset_only(cid), pb.UpdateContainerResourcesResponse)
+        s.service.sync()
+        assert {k: s.read(cid, k) for k in created} == created
+        (sent,) = runtime.container(cid).update_request_messages
+        assert sent.linux.cpuset_cpus == "0-1" and dict(sent.linux.unified) == {}
+        assert runtime.container(cid).resources.cpuset_cpus == "0-1"
+        (rec,) = update_records(s, "unchanged")
+        assert rec["container"] == "app" and rec["code"] == "OK"
+        assert "keeps the container's 134217728" in rec["reason"]
+        s.crictl_update(cid, 256 * MI)  # a resize carries the limit: decided as before
+        assert s.read(cid, "memory.high") == str(HIGH_256MI)
+
+
+def test_a_cpuset_only_update_of_an_unknown_container_is_forwarded_as_sent(tmp_path, tree):
+    """Nothing remembered (the container was created before the shim): no limit to decide from,
+    so nothing is made up from allocatable; the update goes upstream as the kubelet sent it."""
+    from tests.reconciler_support import seed_runtime
+
+    runtime = FakeRuntime(runtime_name="containerd", runtime_version="2.1.9", cgroup_root=str(tree.root),
+                          kernel_files=True)
+    tree.make_pod("burstable", UID)
+    ids = seed_runtime(runtime, [("old", UID, "burstable", [("app", 32 * MI, 128 * MI)])])
+    cid = ids["app"]
+    with Stack(tmp_path, runtime, tree) as s:
+        s.version()
+        assert cid not in s.service.service.container_qos.containers
+        before = s.read(cid, "memory.high")
+        u = cpuset_only(cid)
+        s.kubelet.call("UpdateContainerResources", u, pb.UpdateContainerResourcesResponse)
+        s.service.sync()
+        assert s.read(cid, "memory.high") == before
+        (sent,) = runtime.container(cid).update_request_messages
+        assert sent == u
+        (rec,) = update_records(s, "unchanged")
+        assert "not seen at creation" in rec["reason"] and "fail open" in rec["reason"]

@@ -258,13 +258,11 @@ class ContainerMemoryQoS:
                 self.forget(event)
 
     def _updated(self, note: Rewritten) -> None:
-        """The runtime answered OK to an update: the container's cgroup is to hold its decision
-        (not for an update without a memory limit of a container that has one, such as the CPU
-        manager's cpuset-only update: the runtime keeps the limit, and a decision made without it
-        is not the container's)."""
+        """The runtime answered OK to an update it decided: the container's cgroup is to hold
+        that decision (an update without the container's memory limit is not decided)."""
         cid = note.parsed.container_id if note.parsed is not None else ""
         known = self.containers.get(cid)
-        if known is None or without_limit(note.parsed, known):
+        if known is None:
             return
         values = kernel_values(note.decision, self.kubelet_keys)
         self.containers[cid] = known._replace(unified=MappingProxyType(values),
@@ -332,6 +330,17 @@ class ContainerMemoryQoS:
                                                    "reason": "no linux resources in the request"})
             return request
         resources = msg.linux
+        if without_limit(msg, known) or (known is None and resources.memory_limit_in_bytes <= 0):
+            # A zero limit is "unchanged" to the runtime (the CPU manager's cpuset-only update), and a
+            # key left out of an update's unified map keeps its value: forwarded as sent, the cgroup
+            # keeps the memory values in force (docs/decisions.md, "An update without a memory limit").
+            why = (f"no memory limit in the update: the runtime keeps the container's {known.limit} and the memory "
+                   "values in force" if known is not None else
+                   "container not seen at creation and no memory limit in the update: nothing to decide from "
+                   "(fail open)")
+            call.rewritten = Rewritten(msg, None, {**base, "event": "unchanged",
+                                                   "reason": why + "; the unified map is forwarded as sent"})
+            return request
         facts = container_facts(known.name if known else "", resources)
         request_override = None
         if known is not None:

@@ -83,11 +83,7 @@ class UpdateFollower:
         note = call.rewritten
         if note.parsed is None:
             return
-        cid = note.parsed.container_id
-        known = self.container_qos.containers.get(cid)
-        if known is not None and known.limit > 0 and note.parsed.linux.memory_limit_in_bytes <= 0:
-            return  # no limit in the update (a cpuset-only one): the runtime kept the limit and its values
-        self.follow(cid, kernel_values(note.decision, self.container_qos.kubelet_keys))
+        self.follow(note.parsed.container_id, kernel_values(note.decision, self.container_qos.kubelet_keys))
 
     def runtime_seen(self, runtime: Runtime | None) -> None:
         """A Version answer named the runtime: audited when it is a new one."""
