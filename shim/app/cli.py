@@ -18,8 +18,11 @@ log = logging.getLogger("memqos-shim")
 
 # -- serve ---------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shim.app.endpoint_check import check_endpoints
+
     try:
         cfg = resolve(args)
+        check_endpoints(cfg)
     except ConfigError as e:
         print(f"memqos-shim: {e}", file=sys.stderr)
         return 2
@@ -126,7 +129,16 @@ async def _serve(service, status: str = "", config_path: str | None = None) -> i
     if _early_sighup:
         _early_sighup = False
         on_sighup(actions)
-    await service.start()
+    try:
+        await service.start()
+    except (OSError, ValueError) as e:  # what the settings' checks could not foresee (a live socket there)
+        print(f"memqos-shim: cannot start: {e}", file=sys.stderr)
+        reloads.cancel()
+        try:
+            await service.stop()
+        except Exception:  # noqa: BLE001 - stopping what did start, best effort
+            log.debug("stopping after a failed start", exc_info=True)
+        return 1
     sd_notify(f"READY=1\nSTATUS={status or f'serving on {service.cfg.listen}'}")
     await stop.wait()
     log.info("stopping")
