@@ -88,3 +88,23 @@ def test_config_precedence(tmp_path):
     assert c.factor is None and c.origin["factor"] == "flag"
     assert c.policy.value == "TieredReservation" and c.node_allocatable == 30 * 2**30
     assert c.listen == "unix:///run/memqos-shim/memqos-shim.sock" and c.origin["listen"] == "default"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--qos", "besteffort", "--request", "128Mi"], "--qos besteffort"),
+    (["--qos", "besteffort", "--limit", "1Gi"], "--qos besteffort"),
+    (["--qos", "guaranteed", "--request", "128Mi"], "--qos guaranteed"),
+    (["--qos", "guaranteed", "--request", "128Mi", "--limit", "256Mi"], "--qos guaranteed"),
+    (["--page-size", "3000"], "--page-size 3000"),
+    (["--page-size", "0"], "--page-size 0"),
+])
+def test_explain_refuses_contradictions_with_one_line(args, says):
+    r = shim("explain", *args, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr
+
+
+def test_explain_takes_what_agrees():
+    for args in (["--qos", "guaranteed", "--request", "1Gi", "--limit", "1Gi"], ["--qos", "besteffort"],
+                 ["--qos", "burstable", "--request", "1Gi", "--limit", "1Gi"], ["--page-size", "65536"]):
+        assert shim("explain", *args, "--json").returncode == 0
