@@ -108,3 +108,9 @@ def test_explain_takes_what_agrees():
     for args in (["--qos", "guaranteed", "--request", "1Gi", "--limit", "1Gi"], ["--qos", "besteffort"],
                  ["--qos", "burstable", "--request", "1Gi", "--limit", "1Gi"], ["--page-size", "65536"]):
         assert shim("explain", *args, "--json").returncode == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "nri"])
+def test_an_unknown_log_level_is_refused(command):
+    r = shim(command, "--log-level", "loud", check=False)
+    assert r.returncode == 2 and "--log-level" in r.stderr and "loud" in r.stderr and "Traceback" not in r.stderr
