@@ -114,3 +114,17 @@ def test_explain_takes_what_agrees():
 def test_an_unknown_log_level_is_refused(command):
     r = shim(command, "--log-level", "loud", check=False)
     assert r.returncode == 2 and "--log-level" in r.stderr and "loud" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_front_end_shows_its_own_options():
+    """`nri --help` is not serve's: no kubelet socket, runtime socket, recorder or socket group;
+    serve's shows none of the NRI plugin's flags."""
+    nri = shim("nri", "--help").stdout
+    serve = shim("serve", "--help").stdout
+    for flag in ("--listen", "--upstream", "--record", "--socket-group"):
+        assert flag not in nri and flag in serve
+    for flag in ("--nri-socket", "--nri-index", "--health-file"):
+        assert flag in nri and flag not in serve
+    assert "socket the kubelet connects to" not in nri and "h2-max-frame-size" not in nri
+    r = shim("nri", "--listen", "/tmp/x.sock", check=False)
+    assert r.returncode == 2 and "unrecognized arguments: --listen" in r.stderr
