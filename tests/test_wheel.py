@@ -286,3 +286,12 @@ def test_demo_out_where_nothing_can_be_made_exits_2_with_one_line(installed):
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "--out /proc/nope" in lines[0] and "Traceback" not in p.stderr
+
+
+def test_the_wheel_has_no_grpc_stubs(installed):
+    """Nothing in the wheel imports grpcio, which it does not require: the CRI's grpc service
+    stubs stay beside it (memqos_dev/testing/cri_grpc.py, for the tests' grpcio clients)."""
+    names = zipfile.ZipFile(installed.wheel).namelist()
+    assert [n for n in names if n.endswith("_grpc.py")] == []
+    p = installed.python_c("import pkgutil, shim.cri; print(sorted(m.name for m in pkgutil.iter_modules(shim.cri.__path__)))")
+    assert p.returncode == 0 and "api_pb2_grpc" not in p.stdout, p.stdout + p.stderr
