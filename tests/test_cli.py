@@ -128,3 +128,26 @@ def test_each_front_end_shows_its_own_options():
     assert "socket the kubelet connects to" not in nri and "h2-max-frame-size" not in nri
     r = shim("nri", "--listen", "/tmp/x.sock", check=False)
     assert r.returncode == 2 and "unrecognized arguments: --listen" in r.stderr
+
+
+def test_a_socket_another_process_serves_on_stops_the_start_with_one_line(tmp_path):
+    """What the settings' checks cannot foresee (another process listening at --listen) ends
+    the start with one line and exit 1, no traceback; that socket is left alone."""
+    import socket
+
+    path = tmp_path / "s.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(path))
+    live.listen()
+    try:
+        (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")
+        r = shim("serve", "--listen", str(path), "--upstream", str(tmp_path / "rt.sock"), "--kubelet-config", "none",
+                 "--cgroup-root", str(tmp_path), "--meminfo", str(tmp_path / "meminfo"), "--kubelet-version", "1.30",
+                 "--audit-log", "none", "--log-level", "error", check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"memqos-shim: cannot start: {path}: another process is serving on this socket; refusing to replace it "
+            "(is another memqos-shim running?)"]
+        assert path.is_socket()
+    finally:
+        live.close()
