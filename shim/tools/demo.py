@@ -155,12 +155,15 @@ def prepare_out_dir(out_dir: Path) -> None:
             raise NotTheDemosDir(
                 f"--out {out_dir} is not empty and was not made by the demo (no {MARKER} in it); "
                 "refusing to remove anything in it: name a new or empty directory")
-        for name in entries:  # the demo's own directory, from an earlier run
-            path = out_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+        try:
+            for name in entries:  # the demo's own directory, from an earlier run
+                path = out_dir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        except OSError as e:
+            raise NotTheDemosDir(f"--out {out_dir}: cannot empty it: {e}") from None
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / MARKER).write_text("made by memqos-shim demo: a later demo run may empty this directory\n")
