@@ -9,7 +9,8 @@ Mi = 2**20
 
 
 def shim(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "shim", *args], capture_output=True, text=True, check=check)
+    return subprocess.run([sys.executable, "-m", "shim", *args], capture_output=True, text=True, check=check,
+                          timeout=300)
 
 
 def test_explain_json_issue_example():
