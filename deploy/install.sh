@@ -156,5 +156,5 @@ else
     fi
 fi
 listen=$(sed -n 's/^listen:[[:space:]]*\([^[:space:]#]*\).*/\1/p' "$conf_dir/config.yaml" | head -1)
-echo "== done. Next: point the kubelet at ${listen:-the socket of /etc/memqos-shim/config.yaml} and restart it"
-echo "   (docs/install.md, \"Switching the kubelet\"); check: $prefix/bin/memqos-shim doctor --config /etc/memqos-shim/config.yaml"
+echo "== done. Next: point the kubelet at ${listen:-the socket of $conf_dir/config.yaml} and restart it"
+echo "   (docs/install.md, \"Switching the kubelet\"); check: $prefix/bin/memqos-shim doctor --config $conf_dir/config.yaml"

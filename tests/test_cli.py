@@ -9,7 +9,8 @@ Mi = 2**20
 
 
 def shim(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "shim", *args], capture_output=True, text=True, check=check)
+    return subprocess.run([sys.executable, "-m", "shim", *args], capture_output=True, text=True, check=check,
+                          timeout=300)
 
 
 def test_explain_json_issue_example():
@@ -88,3 +89,66 @@ def test_config_precedence(tmp_path):
     assert c.factor is None and c.origin["factor"] == "flag"
     assert c.policy.value == "TieredReservation" and c.node_allocatable == 30 * 2**30
     assert c.listen == "unix:///run/memqos-shim/memqos-shim.sock" and c.origin["listen"] == "default"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--qos", "besteffort", "--request", "128Mi"], "--qos besteffort"),
+    (["--qos", "besteffort", "--limit", "1Gi"], "--qos besteffort"),
+    (["--qos", "guaranteed", "--request", "128Mi"], "--qos guaranteed"),
+    (["--qos", "guaranteed", "--request", "128Mi", "--limit", "256Mi"], "--qos guaranteed"),
+    (["--page-size", "3000"], "--page-size 3000"),
+    (["--page-size", "0"], "--page-size 0"),
+])
+def test_explain_refuses_contradictions_with_one_line(args, says):
+    r = shim("explain", *args, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr
+
+
+def test_explain_takes_what_agrees():
+    for args in (["--qos", "guaranteed", "--request", "1Gi", "--limit", "1Gi"], ["--qos", "besteffort"],
+                 ["--qos", "burstable", "--request", "1Gi", "--limit", "1Gi"], ["--page-size", "65536"]):
+        assert shim("explain", *args, "--json").returncode == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "nri"])
+def test_an_unknown_log_level_is_refused(command):
+    r = shim(command, "--log-level", "loud", check=False)
+    assert r.returncode == 2 and "--log-level" in r.stderr and "loud" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_front_end_shows_its_own_options():
+    """`nri --help` is not serve's: no kubelet socket, runtime socket, recorder or socket group;
+    serve's shows none of the NRI plugin's flags."""
+    nri = shim("nri", "--help").stdout
+    serve = shim("serve", "--help").stdout
+    for flag in ("--listen", "--upstream", "--record", "--socket-group"):
+        assert flag not in nri and flag in serve
+    for flag in ("--nri-socket", "--nri-index", "--health-file"):
+        assert flag in nri and flag not in serve
+    assert "socket the kubelet connects to" not in nri and "h2-max-frame-size" not in nri
+    r = shim("nri", "--listen", "/tmp/x.sock", check=False)
+    assert r.returncode == 2 and "unrecognized arguments: --listen" in r.stderr
+
+
+def test_a_socket_another_process_serves_on_stops_the_start_with_one_line(tmp_path):
+    """What the settings' checks cannot foresee (another process listening at --listen) ends
+    the start with one line and exit 1, no traceback; that socket is left alone."""
+    import socket
+
+    path = tmp_path / "s.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(path))
+    live.listen()
+    try:
+        (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\n")
+        r = shim("serve", "--listen", str(path), "--upstream", str(tmp_path / "rt.sock"), "--kubelet-config", "none",
+                 "--cgroup-root", str(tmp_path), "--meminfo", str(tmp_path / "meminfo"), "--kubelet-version", "1.30",
+                 "--audit-log", "none", "--log-level", "error", check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"memqos-shim: cannot start: {path}: another process is serving on this socket; refusing to replace it "
+            "(is another memqos-shim running?)"]
+        assert path.is_socket()
+    finally:
+        live.close()

@@ -114,3 +114,19 @@ def test_no_runtime_configuration_is_reported(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "nothing to do" in r.stdout
     assert os.listdir(tmp_path / "etc/crio") == []
+
+
+def test_the_edit_writes_through_no_symlink_and_over_no_file_beside_the_config(tmp_path, capsys):
+    """A dangling symlink where the backup goes, and files under the names an older edit used
+    for its temporary file, are left as they are; the config is still switched on."""
+    root = etc(tmp_path, {"etc/containerd/config.toml": V2_OFF})
+    cfg = root / "etc/containerd/config.toml"
+    outside = tmp_path / "outside.txt"
+    (root / "etc/containerd/config.toml.memqos-shim.bak").symlink_to(outside)
+    (root / "etc/containerd/config.toml.memqos-shim.tmp").write_text("someone's\n")
+    assert main(["--root", str(root), "--nri-socket", str(root / "nri.sock")]) == 0
+    assert nri_disable(cfg.read_text()) is False
+    assert not outside.exists()
+    assert (root / "etc/containerd/config.toml.memqos-shim.tmp").read_text() == "someone's\n"
+    assert sorted(os.listdir(root / "etc/containerd")) == [
+        "config.toml", "config.toml.memqos-shim.bak", "config.toml.memqos-shim.tmp"]

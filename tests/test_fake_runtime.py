@@ -20,7 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shim.cri import api_pb2_grpc, pb
+from memqos_dev.testing import cri_grpc as api_pb2_grpc
+from shim.cri import pb
 from memqos_dev.testing.fake_runtime import (
     BUSYBOX_IMAGE_ID,
     FakeRuntime,

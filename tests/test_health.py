@@ -87,3 +87,25 @@ def test_run_task_beats_and_removes_the_file_when_cancelled(tmp_path):
 
     asyncio.run(main())
     assert not f.exists()
+
+
+def test_the_heartbeat_replaces_and_removes_only_its_own_file(tmp_path):
+    """A file of someone else's (or a symlink) at the path is neither replaced nor removed: the
+    beat fails (the probe then fails too); the heartbeat's own file is removed at the end."""
+    f = tmp_path / "health.json"
+    f.write_text("precious\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(f)
+    for path in (f, link):
+        hb = Heartbeat(str(path))
+        assert not hb.beat("registered") and hb.failures == 1
+        hb.clear()
+    assert f.read_text() == "precious\n" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["health.json", "link.json"]
+    own = tmp_path / "own.json"
+    hb = Heartbeat(str(own))
+    assert hb.beat("connecting") and Heartbeat(str(own)).beat("registered")  # a heartbeat file: replaced
+    assert hb.beat("registered")
+    hb.clear()
+    assert not own.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["health.json", "link.json"]

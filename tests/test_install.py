@@ -191,6 +191,8 @@ def test_install_again_keeps_the_config_repairs_the_package_then_uninstall_remov
     p = install(root, wheelhouse, "--wheel", the_wheel(wheelhouse))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "upgrading the virtual environment" in p.stdout
+    real = os.path.realpath(root)  # the doctor hint names the config below --root, not the host's
+    assert f"{real}/opt/memqos-shim/bin/memqos-shim doctor --config {real}/etc/memqos-shim/config.yaml" in p.stdout
     assert config.read_text() == "upstream: unix:///var/run/crio/crio.sock\n"
     assert "kept" in p.stdout
     assert (root / "etc/memqos-shim/config.yaml.example").read_bytes() == (DEPLOY / "config.yaml").read_bytes()

@@ -40,18 +40,22 @@ def option_blocks(help_text: str) -> dict[str, str]:
 
 
 # -- serve --help ------------------------------------------------------------------------------
-def test_serve_help_says_each_default_once_and_lists_only_the_flags():
-    out = shim("serve", "--help", check=True).stdout
+@pytest.mark.parametrize("front", ["serve", "nri"])
+def test_serve_help_says_each_default_once_and_lists_only_the_flags(front):
+    from shim.app.cli import front_end_options
+
+    options = front_end_options(front)  # each front end: the settings it uses
+    out = shim(front, "--help", check=True).stdout
     blocks = option_blocks(out)
     assert all(b.count("default:") <= 1 for b in blocks.values()), \
         [f for f, b in blocks.items() if b.count("default:") > 1]
     assert "(default: None)" not in out
-    flags = {f"--{o.name}" for o in OPTIONS if o.where == FLAG}
+    flags = {f"--{o.name}" for o in options if o.where == FLAG}
     assert set(blocks) == flags | {"--config", "--help-settings"}
-    assert len(blocks) < len(OPTIONS)  # 52 settings, 25 of them flags
+    assert len(blocks) < len(options)
     said = re.sub(r"-\s+", "-", " ".join(out.split()))  # argparse may break a line at a hyphen
     epilog = said.split("in the config file (--config FILE) only: ", 1)[1]
-    assert {o.name for o in OPTIONS if o.where == FILE} == set(epilog.split(". ", 1)[0].split(", "))
+    assert {o.name for o in options if o.where == FILE} == set(epilog.split(". ", 1)[0].split(", "))
 
 
 def test_the_tuning_knobs_are_config_keys_and_not_flags(tmp_path):

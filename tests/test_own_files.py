@@ -63,7 +63,7 @@ def _call():
                         "OK", "")
 
 
-def test_recorder_rotation_replaces_planted_symlinks_and_never_writes_through_them(tmp_path):
+def test_recorder_rotation_leaves_planted_symlinks_alone_and_never_writes_through_them(tmp_path):
     path = tmp_path / "calls.jsonl"
     rec = Recorder(str(path), {"format": "cri-trace"}, max_bytes=600, keep=2, methods=".")
     rec.start()
@@ -76,10 +76,11 @@ def test_recorder_rotation_replaces_planted_symlinks_and_never_writes_through_th
         assert rec.flush(10)
     finally:
         rec.close()
-    assert rec.rotations >= 2
+    assert rec.rotations >= 2 and rec.write_errors == 0
     for link, target in links.values():
         assert target.read_text() == TARGET_TEXT
-        assert not link.is_symlink()  # the rotation renamed a trace file over the link
+        assert link.is_symlink()  # not the shim's: neither replaced nor followed
+    assert sorted(os.listdir(tmp_path)) == sorted(["calls.jsonl", *links, *(f"target-of-{n}" for n in links)])
 
 
 def test_a_symlink_planted_where_the_recorder_reopens_is_refused_not_followed(tmp_path):
@@ -99,21 +100,47 @@ def test_a_symlink_planted_where_the_recorder_reopens_is_refused_not_followed(tm
     assert rec.write_errors == 1 and rec.recorded == 0 and rec.reopens == 1
 
 
-def test_audit_rotation_replaces_planted_symlinks_and_never_writes_through_them(tmp_path):
+def test_audit_rotation_leaves_planted_symlinks_and_foreign_files_alone(tmp_path):
     path = tmp_path / "audit.jsonl"
-    log = AuditLog(str(path), max_bytes=300, keep=2).start()
-    links = [planted(tmp_path, name) for name in ("audit.jsonl.1", "audit.jsonl.2")]
-    links.append(planted(tmp_path, "audit.jsonl.3", dangling=True))  # beyond keep: left alone
+    log = AuditLog(str(path), max_bytes=300, keep=4).start()
+    links = [planted(tmp_path, "audit.jsonl.2"), planted(tmp_path, "audit.jsonl.3", dangling=True)]
+    (tmp_path / "audit.jsonl.4").write_text(TARGET_TEXT)  # someone else's file
     for i in range(20):
         log.emit({"event": "x", "i": i, "pad": "p" * 60})
     log.flush()
     log.close()
     assert log.rotations >= 2 and log.write_errors == 0
-    for link, target in links[:2]:
-        assert target.read_text() == TARGET_TEXT
-        assert not link.is_symlink()  # the rotation renamed an audit file over the link
-        assert stat.S_IMODE(link.stat().st_mode) == 0o640
-    assert links[2][0].is_symlink() and not links[2][1].exists()
+    assert untouched(links[0][1], False) and untouched(links[1][1], True)
+    assert all(link.is_symlink() for link, _ in links)
+    assert (tmp_path / "audit.jsonl.4").read_text() == TARGET_TEXT
+    # the chain ends below the first name that is not the shim's: FILE and FILE.1 only
+    one = tmp_path / "audit.jsonl.1"
+    assert json.loads(one.read_text().splitlines()[0])["event"] == "x"
+    assert stat.S_IMODE(one.stat().st_mode) == 0o640
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_a_file_of_someone_elses_at_the_audit_or_record_path_is_refused_and_kept(tmp_path, keep):
+    """Neither appended to nor rotated away (with keep 0: deleted) at start."""
+    for make in (lambda p: AuditLog(str(p), keep=keep),
+                 lambda p: Recorder(str(p), {"format": "cri-trace"}, keep=keep)):
+        path = tmp_path / "precious.txt"
+        path.write_text(TARGET_TEXT)
+        with pytest.raises(UnsafeFile, match="did not write"):
+            make(path).start()
+        assert sorted(os.listdir(tmp_path)) == ["precious.txt"] and path.read_text() == TARGET_TEXT
+
+
+def test_serve_exits_2_on_a_file_of_someone_elses_at_the_record_path(tmp_path):
+    precious = tmp_path / "notes.txt"
+    precious.write_text(TARGET_TEXT)
+    (tmp_path / "cgroup").mkdir()
+    r = subprocess.run([sys.executable, "-m", "shim", "serve", "--listen", str(tmp_path / "s.sock"),
+                        "--upstream", str(tmp_path / "rt.sock"), "--cgroup-root", str(tmp_path / "cgroup"),
+                        "--kubelet-config", "none", "--kubelet-version", "1.30", "--audit-log", "none",
+                        "--record", str(precious)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "did not write" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert precious.read_text() == TARGET_TEXT and sorted(os.listdir(tmp_path)) == ["cgroup", "notes.txt"]
 
 
 def test_a_symlink_planted_where_the_audit_log_reopens_is_refused_not_followed(tmp_path):
@@ -161,15 +188,36 @@ def test_open_append_refuses_what_is_not_a_regular_file(tmp_path):
         open_append(str(tmp_path))
 
 
-def test_guard_state_is_never_written_through_a_symlink(tmp_path):
+def test_guard_state_is_never_written_through_nor_over_a_symlink(tmp_path):
     link, target = planted(tmp_path, "guard-episodes.json")
     f = EpisodeFile(str(link))
     assert f.load() == [] and "symbolic link" in f.problem
     ref = {k: "x" for k in ("id", "namespace", "pod", "container", "uid", "cgroup_parent", "qos")}
-    assert f.save([Episode(ref, "relaxed", 1 << 20)])
-    assert target.read_text() == TARGET_TEXT
-    assert not link.is_symlink() and stat.S_IMODE(link.stat().st_mode) == 0o600
-    assert [e.restore_high for e in EpisodeFile(str(link)).load()] == [1 << 20]
+    assert not f.save([Episode(ref, "relaxed", 1 << 20)])  # kept in memory only
+    assert not f.save([])
+    assert target.read_text() == TARGET_TEXT and link.is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["guard-episodes.json", "target-of-guard-episodes.json"]
+
+
+@pytest.mark.parametrize("text", [TARGET_TEXT, '["a list"]', '{"other": 1}'])
+def test_guard_state_never_replaces_nor_removes_a_file_of_someone_elses(tmp_path, text):
+    path = tmp_path / "guard-episodes.json"
+    path.write_text(text)
+    f = EpisodeFile(str(path))
+    assert f.load() == []
+    ref = {k: "x" for k in ("id", "namespace", "pod", "container", "uid", "cgroup_parent", "qos")}
+    assert not f.save([Episode(ref, "relaxed", 1 << 20)]) and not f.save([])
+    assert path.read_text() == text and os.listdir(tmp_path) == ["guard-episodes.json"]
+
+
+def test_guard_state_replaces_and_removes_its_own_file(tmp_path):
+    path = tmp_path / "guard-episodes.json"
+    ref = {k: "x" for k in ("id", "namespace", "pod", "container", "uid", "cgroup_parent", "qos")}
+    f = EpisodeFile(str(path))
+    assert f.save([Episode(ref, "relaxed", 1 << 20)]) and f.save([Episode(ref, "relaxed", 2 << 20)])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and os.listdir(tmp_path) == ["guard-episodes.json"]
+    assert [e.restore_high for e in EpisodeFile(str(path)).load()] == [2 << 20]
+    assert f.save([]) and os.listdir(tmp_path) == []
 
 
 # -- serve refuses at start ------------------------------------------------------------------------

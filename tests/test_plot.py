@@ -54,3 +54,14 @@ def test_without_matplotlib_says_which_extra(tmp_path, capsys, monkeypatch):
     assert main(["explain", "--plot", str(tmp_path / "no.png")]) == 2
     assert "memqos-shim[plot]" in capsys.readouterr().err
     assert not (tmp_path / "no.png").exists()
+
+
+def test_the_container_asked_about_is_marked(tmp_path, capsys):
+    from shim.tools.plot import write_plot
+
+    data = write_plot(str(tmp_path / "m.png"), mark=(500 * MI, 0.9), page=MI)
+    assert data["mark"] == {"request": 500.0, "factor": 0.9, "high": 950.0}
+    assert "mark" not in write_plot(str(tmp_path / "n.png"), page=MI)
+    assert main(["explain", "--plot", str(tmp_path / "e.png"), "--request", "800Mi", "--limit", "1000Mi",
+                 "--page-size", str(MI)]) == 0
+    assert "marked: request 800Mi at factor 0.9: memory.high 980Mi" in capsys.readouterr().out

@@ -267,3 +267,11 @@ def test_serve_refuses_to_record_to_a_compressed_file_name(tmp_path, capsys):
         assert rc == 2
         assert "plain JSON lines" in capsys.readouterr().err
         assert not (tmp_path / name).exists()
+
+
+def test_write_trace_never_overwrites_a_file(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("someone's\n")
+    with pytest.raises(FileExistsError):
+        write_trace(str(path), header(), [])
+    assert path.read_text() == "someone's\n"

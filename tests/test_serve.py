@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shim.cri import api_pb2_grpc, pb
+from memqos_dev.testing import cri_grpc as api_pb2_grpc
+from shim.cri import pb
 from memqos_dev.testing.fake_runtime import FakeRuntimeServer
 from shim.tools.kubelet_requests import create_container, oom_score_adj, sandbox_config, update_resources
 

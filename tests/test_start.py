@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from shim.cri import api_pb2_grpc, pb
+from memqos_dev.testing import cri_grpc as api_pb2_grpc
+from shim.cri import pb
 from shim.node import kubelet_version
 from shim.node.kubelet_version import KubeletVersionWatcher
 from memqos_dev.testing.fake_runtime import FakeRuntimeServer

@@ -20,12 +20,13 @@ REFERENCES = {  # field tables -> the proto written from them
 
 def test_stubs_match_proto(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
-    subprocess.run(["bash", str(ROOT / "scripts" / "gen-stubs"), str(tmp_path / "cri"), str(tmp_path / "nri")],
-                   check=True, env=env)
-    for room, name in (("cri", "api_pb2.py"), ("cri", "api_pb2_grpc.py"), ("nri", "api_pb2.py"),
-                       ("nri", "ttrpc_pb2.py")):
-        assert filecmp.cmp(tmp_path / room / name, ROOT / "shim" / room / name, shallow=False), (
-            f"shim/{room}/{name} is stale: run scripts/gen-stubs"
+    subprocess.run(["bash", str(ROOT / "scripts" / "gen-stubs"), str(tmp_path / "cri"), str(tmp_path / "nri"),
+                    str(tmp_path / "grpc")], check=True, env=env)
+    for made, committed in (("cri/api_pb2.py", "shim/cri/api_pb2.py"), ("nri/api_pb2.py", "shim/nri/api_pb2.py"),
+                            ("nri/ttrpc_pb2.py", "shim/nri/ttrpc_pb2.py"),
+                            ("grpc/cri_grpc.py", "memqos_dev/testing/cri_grpc.py")):
+        assert filecmp.cmp(tmp_path / made, ROOT / committed, shallow=False), (
+            f"{committed} is stale: run scripts/gen-stubs"
         )
 
 

@@ -235,3 +235,63 @@ def test_nri_starts_and_waits_for_its_runtime(installed, tmp_path):
             p.terminate()
             p.wait(15)
     assert "Traceback" not in log.read_text()
+
+
+# each bad socket setting: the arguments after `serve` (or the config file's text), and what the
+# one line on stderr names. {home}: the installed package's working directory.
+BAD_SOCKET_SETTINGS = [
+    (["--upstream", "tcp://1.2.3.4:5"], None, "--upstream"),
+    (["--upstream", "http://x"], None, "--upstream"),
+    (["--upstream", ""], None, "--upstream"),
+    (["--upstream", "unix://"], None, "--upstream"),
+    (["--listen", "relative.sock"], None, "--listen"),
+    (["--listen", "tcp://127.0.0.1:5"], None, "--listen"),
+    (["--listen", "{home}/rt.sock", "--upstream", "unix://{home}/rt.sock"], None, "--listen"),
+    (["--listen", "{home}/regular-file"], None, "--listen"),
+    (["--listen", "/proc/memqos-shim-test.sock"], None, "--listen"),
+    (["--listen", "/proc/self/nope/x.sock"], None, "--listen"),
+    (["--socket-group", "nosuchgroup-memqos"], None, "--socket-group"),
+    ([], 'socket-mode: "0660"\n', "socket-mode"),
+    ([], "upstream: tcp://1.2.3.4:5\n", "upstream"),
+]
+
+
+@pytest.mark.parametrize("args,config,names", BAD_SOCKET_SETTINGS,
+                         ids=[" ".join(a) or c.strip() for a, c, _ in BAD_SOCKET_SETTINGS])
+def test_a_bad_socket_setting_exits_2_with_one_line_naming_it(installed, tmp_path, args, config, names):
+    """The installed `serve` with a bad listen / upstream / socket-group / socket-mode: exit 2,
+    one line on stderr naming the setting as given, no traceback, and nothing created."""
+    home = installed.home
+    (home / "regular-file").write_text("not a socket\n")
+    argv = [a.format(home=home) for a in args]
+    if config is not None:
+        (tmp_path / "c.yaml").write_text(config)
+        argv += ["--config", str(tmp_path / "c.yaml")]
+    if "--listen" not in argv:
+        argv += ["--listen", str(tmp_path / "shim.sock")]
+    before = sorted(p.name for p in home.iterdir())
+    p = installed.run("serve", *argv, "--audit-log", str(tmp_path / "audit.jsonl"), "--kubelet-config", "none",
+                      timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith("memqos-shim: ") and names in lines[0], lines[0]
+    assert (home / "regular-file").read_text() == "not a socket\n"
+    assert sorted(p.name for p in home.iterdir()) == before
+    assert not (tmp_path / "audit.jsonl").exists() and not (tmp_path / "shim.sock").exists()
+
+
+def test_demo_out_where_nothing_can_be_made_exits_2_with_one_line(installed):
+    p = installed.run("demo", "--out", "/proc/nope")
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--out /proc/nope" in lines[0] and "Traceback" not in p.stderr
+
+
+def test_the_wheel_has_no_grpc_stubs(installed):
+    """Nothing in the wheel imports grpcio, which it does not require: the CRI's grpc service
+    stubs stay beside it (memqos_dev/testing/cri_grpc.py, for the tests' grpcio clients)."""
+    names = zipfile.ZipFile(installed.wheel).namelist()
+    assert [n for n in names if n.endswith("_grpc.py")] == []
+    p = installed.python_c("import pkgutil, shim.cri; print(sorted(m.name for m in pkgutil.iter_modules(shim.cri.__path__)))")
+    assert p.returncode == 0 and "api_pb2_grpc" not in p.stdout, p.stdout + p.stderr

@@ -18,8 +18,11 @@ log = logging.getLogger("memqos-shim")
 
 # -- serve ---------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shim.app.endpoint_check import check_endpoints
+
     try:
         cfg = resolve(args)
+        check_endpoints(cfg)
     except ConfigError as e:
         print(f"memqos-shim: {e}", file=sys.stderr)
         return 2
@@ -126,7 +129,16 @@ async def _serve(service, status: str = "", config_path: str | None = None) -> i
     if _early_sighup:
         _early_sighup = False
         on_sighup(actions)
-    await service.start()
+    try:
+        await service.start()
+    except (OSError, ValueError) as e:  # what the settings' checks could not foresee (a live socket there)
+        print(f"memqos-shim: cannot start: {e}", file=sys.stderr)
+        reloads.cancel()
+        try:
+            await service.stop()
+        except Exception:  # noqa: BLE001 - stopping what did start, best effort
+            log.debug("stopping after a failed start", exc_info=True)
+        return 1
     sd_notify(f"READY=1\nSTATUS={status or f'serving on {service.cfg.listen}'}")
     await stop.wait()
     log.info("stopping")
@@ -172,6 +184,24 @@ def sd_notify(state: str) -> bool:
 
 
 # -- wiring --------------------------------------------------------------------
+#: the settings only one front end uses: the other has no flag for them (and leaves them out of
+#: its --help and its list of tuning keys); a config file may still carry them for both
+ONLY = {
+    "serve": frozenset({"listen", "upstream", "socket-group", "socket-mode", "record", "record-max-bytes",
+                        "record-keep", "record-methods", "max-connections", "finish-max-pending",
+                        "h2-max-header-block", "h2-max-continuations", "h2-max-frame-size",
+                        "h2-max-concurrent-streams", "h2-reset-rate", "h2-reset-burst", "h2-preface-timeout",
+                        "h2-idle-timeout"}),
+    "nri": frozenset({"nri-socket", "nri-index", "health-file"}),
+}
+
+
+def front_end_options(front: str):
+    """The options of OPTIONS that the front end ``front`` ("serve" or "nri") uses."""
+    other = ONLY["nri" if front == "serve" else "serve"]
+    return tuple(o for o in OPTIONS if o.name not in other)
+
+
 def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
     """The command line; ``serve_only``: without the tools' commands (``serve`` does not import
     them, which keeps its start short)."""
@@ -183,13 +213,14 @@ def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"memqos-shim {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the CRI proxy", epilog=file_only_note())
-    add_arguments(serve, OPTIONS)
+    serve_options, nri_options = front_end_options("serve"), front_end_options("nri")
+    serve = sub.add_parser("serve", help="run the CRI proxy", epilog=file_only_note(serve_options))
+    add_arguments(serve, serve_options)
     serve.set_defaults(func=cmd_serve)
 
     nri = sub.add_parser("nri", help="run as an NRI plugin of containerd / CRI-O (no kubelet change)",
-                         epilog=file_only_note())
-    add_arguments(nri, OPTIONS)
+                         epilog=file_only_note(nri_options))
+    add_arguments(nri, nri_options)
     nri.set_defaults(func=cmd_nri)
 
 

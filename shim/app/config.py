@@ -156,6 +156,16 @@ def _guard_action(v: Any) -> str:
     return t
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in LOG_LEVELS:
+        raise ConfigError(f"log level must be one of {list(LOG_LEVELS)}, not {v!r}")
+    return t
+
+
 SYSTEMD_WRITES = ("auto", "dbus", "cgroupfs")
 
 
@@ -336,7 +346,7 @@ OPTIONS: tuple[Option, ...] = (
            "relay: close a connection without an open stream or a byte either way for this many seconds "
            "(GOAWAY first); 0: never (the kubelet keeps one long-lived connection)", "S", where=FILE),
     Option("meminfo", "str", "/proc/meminfo", str, "where MemTotal is read from"),
-    Option("log-level", "str", "info", str, "debug, info, warning or error"),
+    Option("log-level", "str", "info", _log_level, "debug, info, warning or error"),
     Option("record", "str | None", None, _record_path,
            "record every finished CRI call to FILE in the cri-trace format (request as the kubelet sent "
            "it, forwarded bytes when rewritten, responses, code, timing), reopened on SIGHUP; default: off", "FILE"),

@@ -16,16 +16,28 @@ at the destination, it never writes through it.
 
 ``RotatingFile`` (the audit log, the recorder's files) appends whole lines and rotates by size
 with a bounded number of files, ``FILE`` -> ``FILE.1`` -> ... -> ``FILE.<keep>`` (the oldest is
-deleted): renames only, so a symlink planted at ``FILE.<n>`` is replaced, never followed, and the
-new ``FILE`` is opened by ``open_append`` like the first. ``reopen()`` closes the file and opens
-``FILE`` again (after logrotate renamed it away).
+deleted): renames only, never through a symlink, and the new ``FILE`` is opened by
+``open_append`` like the first. ``reopen()`` closes the file and opens ``FILE`` again (after
+logrotate renamed it away).
+
+Nothing is deleted or renamed over unless it is one of the shim's own files (``own_file``: a
+regular file, empty or starting as the JSON lines the shim writes). A ``FILE`` that holds
+anything else is refused (UnsafeFile) before a byte is appended; anything else at ``FILE.<n>``
+(a symlink, a file of someone else's) ends the rotation chain there: the files below it rotate
+and the oldest of them is deleted, it stays as it is (logged).
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from typing import Callable
+
+log = logging.getLogger(__name__)
+
+#: how every file the shim writes (JSON lines: audit records, a trace's header) starts
+OWN_FILE_START = b'{"'
 
 
 class UnsafeFile(OSError):
@@ -72,6 +84,35 @@ def check_not_symlink(path: str) -> None:
         raise UnsafeFile(errno.EINVAL, f"{path} is not a regular file; refusing to write to it")
 
 
+def own_file(path: str) -> bool | None:
+    """None: nothing at ``path``; True: one of the shim's own files (a regular file, empty or
+    starting as the JSON lines it writes); False: anything else (a symlink, a directory, a
+    file of someone else's), which the shim never deletes, renames over or appends to."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a symlink (ELOOP), a FIFO without a writer, no permission to read it
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, len(OWN_FILE_START))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return head in (b"", OWN_FILE_START)
+
+
+def refuse_foreign(path: str) -> None:
+    """UnsafeFile when ``path`` holds a regular file that is not one of the shim's own."""
+    if own_file(path) is False and not os.path.islink(path):
+        raise UnsafeFile(errno.EEXIST, f"{path} holds something the shim did not write (not JSON lines); "
+                                       "refusing to append to it or rotate it away (move it aside, or point "
+                                       "the setting at a new file)")
+
+
 class RotatingFile:
     """Lines appended to ``path`` by one writer thread, rotated by size before a line would push
     the file past ``max_bytes`` (0: never by size). A line is always written whole into one
@@ -104,6 +145,7 @@ class RotatingFile:
         file gets the header first."""
         f = open(open_append(self.path, self.mode), "ab", buffering=0)
         try:
+            refuse_foreign(self.path)
             size = os.fstat(f.fileno()).st_size
             header_size = 0
             if size == 0 and self.header is not None:
@@ -170,16 +212,29 @@ class RotatingFile:
         return [n for n in names if os.path.lexists(n)]
 
 
-def rotate_names(path: str, keep: int) -> None:
+def rotate_names(path: str, keep: int) -> int:
     """``path`` -> ``path.1`` -> ... -> ``path.<keep>``, the oldest deleted (keep 0: ``path``
-    deleted). Renames and unlinks act on the names themselves: a symlink at any of them is
-    moved or replaced, never followed."""
-    if keep == 0:
+    deleted); returns the files kept. Only the shim's own files (``own_file``) are renamed or
+    deleted: UnsafeFile when ``path`` is not one; anything else at ``path.<n>`` ends the chain
+    before it (it stays; fewer files are kept, and the oldest of those is deleted)."""
+    if own_file(path) is False:
+        check_not_symlink(path)
+        refuse_foreign(path)
+        raise UnsafeFile(errno.EINVAL, f"{path} is not a regular file; refusing to rotate it")
+    kept = keep
+    for i in range(1, keep + 1):
+        if own_file(f"{path}.{i}") is False:
+            kept = i - 1
+            log.warning("%s.%d is not a file the shim wrote: left alone, %d rotated file(s) kept below it",
+                        path, i, kept)
+            break
+    if kept == 0:
         _remove(path)
-        return
-    for i in range(keep - 1, 0, -1):
+        return 0
+    for i in range(kept - 1, 0, -1):
         _rename(f"{path}.{i}", f"{path}.{i + 1}")
     _rename(path, f"{path}.1")
+    return kept
 
 
 def _rename(src: str, dst: str) -> None:

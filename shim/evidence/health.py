@@ -5,8 +5,9 @@ The DaemonSet's liveness and readiness probes run ``memqos-shim health`` in the 
 container. An httpGet probe would only show that the metrics thread answers, not that the
 event loop runs or that the plugin is registered with the runtime, and it would need the
 metrics (which name pods and containers) on the pod's network address. The file is small JSON,
-replaced atomically (write to a temporary name, then rename), so a reader never sees half of
-it:
+replaced atomically (written under a new name of its own, then renamed), so a reader never
+sees half of it; only a heartbeat file is replaced, and only the one it wrote is removed when
+the front end stops (anything else at the path is left alone and the beat fails):
 
     {"pid": 1234, "time": 1700000000.5, "state": "registered", "since": 1699999990.0}
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
+import tempfile
 import time
 from typing import Callable
 
@@ -38,17 +41,31 @@ class Heartbeat:
         self.state: str | None = None
         self.since = 0.0
         self.failures = 0  # writes that failed (the probe will then fail: that is the report)
+        self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of the file last written
 
     def beat(self, state: str) -> bool:
         now = self.clock()
         if state != self.state:
             self.state, self.since = state, now
         doc = {"pid": os.getpid(), "time": now, "state": state, "since": self.since}
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps(doc))
-            os.replace(tmp, self.path)
+            if not _replaceable(self.path):
+                raise OSError(f"{self.path} is not a heartbeat file; left alone")
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
+                                       dir=os.path.dirname(self.path) or ".")
+            try:
+                with open(fd, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(doc))
+                os.chmod(tmp, 0o644)  # the probe may run as another user
+                os.replace(tmp, self.path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            st = os.lstat(self.path)
+            self._written = (st.st_dev, st.st_ino)
             return True
         except OSError:
             self.failures += 1
@@ -63,10 +80,37 @@ class Heartbeat:
             self.clear()
 
     def clear(self) -> None:
+        """Remove the file, if it is still the one this heartbeat wrote."""
         try:
-            os.unlink(self.path)
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._written:
+                os.unlink(self.path)
         except OSError:
             pass
+
+
+def _replaceable(path: str) -> bool:
+    """Nothing at ``path``, or a heartbeat file (a regular file holding a JSON object with
+    ``time`` and ``state``, or nothing yet)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        raw = os.read(fd, 4097)
+    finally:
+        os.close(fd)
+    if not raw:
+        return True
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and "time" in doc and "state" in doc
 
 
 def check(path: str, max_age: float, ready: bool = False, now: float | None = None) -> tuple[bool, str]:

@@ -345,8 +345,9 @@ def read_trace(path: str) -> Trace:
 
 
 def write_trace(path: str, header: dict[str, Any], calls: list[TraceCall]) -> None:
-    """A whole trace at once (tests, tools). The recorder streams instead."""
-    with open(path, "w", encoding="utf-8") as f:
+    """A whole trace at once (tests, tools), as a new file: an existing one is never overwritten
+    (FileExistsError). The recorder streams instead."""
+    with open(path, "x", encoding="utf-8") as f:
         f.write(json.dumps(header, default=str) + "\n")
         for call in calls:
             f.write(call.to_line())

@@ -9,8 +9,10 @@ if someone else wrote memory.high meanwhile, as in any episode.
 
 The file holds what the monitor needs to find the container's cgroup again and the value to
 restore; it is written by the monitor's thread only when the set of open episodes changes
-(rare), atomically (a new file, created with O_EXCL | O_NOFOLLOW, renamed over the old one:
-a symlink at the path is replaced, never written through), mode 0600. It is read once, at start,
+(rare), atomically (a new file of a unique name, created with O_EXCL | O_NOFOLLOW, renamed
+over the old one), mode 0600. Only an episode file is ever replaced or removed: anything else at
+the path (a symlink, a directory, a file that is not a JSON object with ``version`` and
+``episodes``) is left as it is and the episodes are kept in memory only (logged). It is read once, at start,
 and trusted only if it is a regular file owned by the shim's user and writable by no one else
 (a forged file could otherwise make the guard write a tiny memory.high); every entry is checked
 (id, sizes, mode, value) and paths are validated like any request data when they are resolved.
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,32 @@ def _valid(entry: object) -> Episode | None:
     if mode == "relaxed" and high is None:
         return None
     return Episode(dict(ref), mode, high)
+
+
+def _not_an_episode_file(path: str) -> str | None:
+    """What is at ``path`` when it is something save() must not replace or remove (None:
+    nothing there, or an episode file, whatever its version or entries)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        raw = os.read(fd, MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(doc, dict) or "version" not in doc or "episodes" not in doc:
+        return "not an episode file"
+    return None
 
 
 class EpisodeFile:
@@ -124,6 +153,11 @@ class EpisodeFile:
     def save(self, episodes: list[Episode]) -> bool:
         """Replace the file with ``episodes`` (an empty list removes it). False, logged, when
         it cannot be written: the episodes then live in memory only, as without a file."""
+        foreign = _not_an_episode_file(self.path)
+        if foreign:
+            log.warning("guard episodes: %s is %s, not a file the shim wrote: left alone; a restart would "
+                        "forget the episodes", self.path, foreign)
+            return False
         try:
             if not episodes:
                 try:
@@ -136,20 +170,23 @@ class EpisodeFile:
             data = json.dumps(doc, separators=(",", ":")).encode()
             parent = os.path.dirname(self.path) or "."
             os.makedirs(parent, mode=0o755, exist_ok=True)
-            tmp = os.path.join(parent, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
+            # a new name of its own (O_CREAT | O_EXCL | O_NOFOLLOW, 0600): nothing there is reused
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=parent)
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
             return True
         except OSError as e:
             log.warning("guard episodes: cannot write %s: %s; a restart would forget them", self.path, e)

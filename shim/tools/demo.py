@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -124,10 +125,61 @@ def print_audit_table(records: list[dict], out=None) -> None:
               f"{_fmt_unified(r.get('unified_before', {}))} -> {_fmt_unified(r.get('unified_after', {}))}", file=out)
 
 
+#: the file that marks a directory as the demo's own: only such a directory (or an empty one) is
+#: emptied and reused by a later run
+MARKER = ".memqos-shim-demo"
+
+
+class NotTheDemosDir(Exception):
+    """--out names something the demo did not create: refused, nothing removed."""
+
+
+def prepare_out_dir(out_dir: Path) -> None:
+    """Make ``out_dir`` an empty directory carrying the demo's marker file. An existing
+    directory is reused only when it is empty or carries the marker (then its contents are
+    removed); a non-empty directory without it, a symlink or a file is refused
+    (NotTheDemosDir) and left as it is."""
+    try:
+        st = os.lstat(out_dir)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise NotTheDemosDir(f"--out {out_dir}: {e.strerror}") from None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise NotTheDemosDir(f"--out {out_dir} is a symbolic link; refusing to use it")
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotTheDemosDir(f"--out {out_dir} exists and is not a directory; refusing to replace it")
+        entries = os.listdir(out_dir)
+        if entries and not _is_regular_file(out_dir / MARKER):
+            raise NotTheDemosDir(
+                f"--out {out_dir} is not empty and was not made by the demo (no {MARKER} in it); "
+                "refusing to remove anything in it: name a new or empty directory")
+        try:
+            for name in entries:  # the demo's own directory, from an earlier run
+                path = out_dir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        except OSError as e:
+            raise NotTheDemosDir(f"--out {out_dir}: cannot empty it: {e}") from None
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / MARKER).write_text("made by memqos-shim demo: a later demo run may empty this directory\n")
+    except OSError as e:
+        raise NotTheDemosDir(f"--out {out_dir}: cannot create it: {e.strerror}") from None
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def run(out_dir: Path, keep_running: bool = False) -> int:
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    prepare_out_dir(out_dir)
     cgroot = out_dir / "cgroup"
     cgroot.mkdir()
     (cgroot / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids\n")
@@ -257,13 +309,19 @@ def drive(target: str, cgroot: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
-                   help="directory for the demo's files, recreated (default: a new directory under $TMPDIR)")
+                   help="directory for the demo's files (default: a new directory under $TMPDIR); a new or empty "
+                        f"one, or one an earlier demo made (it holds a {MARKER} file), whose contents are then "
+                        "removed; anything else is refused (exit 2) and left untouched")
     p.add_argument("--keep-running", action="store_true", help="leave the shim running after the demo")
 
 
 def run_args(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="memqos-demo-"))
-    return run(out.resolve(), args.keep_running)
+    try:
+        return run(Path(os.path.abspath(out)), args.keep_running)
+    except NotTheDemosDir as e:
+        print(f"memqos-shim demo: {e}", file=sys.stderr)
+        return 2
 
 
 def register(sub) -> None:

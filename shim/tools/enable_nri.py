@@ -26,6 +26,7 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 
 try:
     import tomllib
@@ -104,13 +105,22 @@ def containerd_text(text: str) -> tuple[str | None, str]:
 
 
 def _replace(path: str, text: str) -> None:
-    tmp = f"{path}.memqos-shim.tmp"
+    """``path`` replaced by ``text`` through a new file of a unique name beside it (created with
+    O_EXCL, so nothing already there is truncated or written through), with ``path``'s mode."""
     st = os.stat(path) if os.path.exists(path) else None
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    if st is not None:
-        os.chmod(tmp, st.st_mode & 0o7777)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".memqos-shim.tmp",
+                               dir=os.path.dirname(path) or ".")
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, st.st_mode & 0o7777 if st is not None else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def enable_containerd(root: str) -> tuple[bool, str]:
@@ -128,8 +138,9 @@ def enable_containerd(root: str) -> tuple[bool, str]:
     if new is None:
         return True, f"containerd: {path}: {how}"
     backup = f"{path}.memqos-shim.bak"
-    if not os.path.exists(backup):
-        with open(backup, "w", encoding="utf-8") as f:
+    if not os.path.lexists(backup):  # a new file only: never one written through a symlink or over another
+        fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(text)
     _replace(path, new)
     return True, f"containerd: {path}: {how} (original in {backup}); " + RESTART.format(rt="containerd")

@@ -34,6 +34,30 @@ def _explain_factor(v: str) -> float | None:
     return f
 
 
+def _page_size(v: str | None) -> int:
+    """--page-size: a power of two of at least 4096 (what Linux pages are), else the system's."""
+    if not v:
+        return os.sysconf("SC_PAGE_SIZE")
+    try:
+        page = int(v)
+    except ValueError:
+        raise ValueError(f"--page-size {v!r} is not a number of bytes") from None
+    if page < 4096 or page & (page - 1):
+        raise ValueError(f"--page-size {v}: a page size is a power of two of at least 4096 (4096, 16384, 65536 ...)")
+    return page
+
+
+def qos_contradiction(qos: str | None, request: int, limit: int) -> str | None:
+    """Why --qos cannot be the class of a container with this request and limit (None: it can)."""
+    if qos == "besteffort" and (request or limit):
+        return ("--qos besteffort with a memory request or limit: Kubernetes makes a container with either "
+                "Burstable or Guaranteed (BestEffort: no request and no limit)")
+    if qos == "guaranteed" and (not limit or request != limit):
+        return ("--qos guaranteed needs --limit equal to --request: a Guaranteed container's memory request "
+                "equals its limit")
+    return None
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         return _explain_plot(args)
@@ -45,9 +69,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         limit = parse_bytes(args.limit)
         allocatable = parse_bytes(args.allocatable)
         factor = _explain_factor(args.factor)
-        page = int(args.page_size) if args.page_size else os.sysconf("SC_PAGE_SIZE")
-        if page <= 0:
-            raise ValueError("page size must be positive")
+        page = _page_size(args.page_size)
         policy = decision.Policy(args.policy)  # already checked by argparse
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
@@ -56,6 +78,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"memqos-shim explain: request {args.request} is above limit {args.limit}: the API server refuses "
               f"such a container (resources.requests: Invalid value: must be less than or equal to memory "
               f"limit of {args.limit})", file=sys.stderr)
+        return 2
+    contradiction = qos_contradiction(args.qos, request, limit)
+    if contradiction:
+        print(f"memqos-shim explain: {contradiction}", file=sys.stderr)
         return 2
     if args.qos:
         qos = {q.name.lower(): q for q in decision.QoSClass}[args.qos]
@@ -106,17 +132,21 @@ def _explain_plot(args: argparse.Namespace) -> int:
     from shim.tools.plot import KEP_FACTORS, KEP_LIMIT, PlotUnavailable, write_plot
 
     try:
+        request = parse_bytes(args.request)
         limit = parse_bytes(args.limit) or KEP_LIMIT
         factor = _explain_factor(args.factor)
-        page = int(args.page_size) if args.page_size else os.sysconf("SC_PAGE_SIZE")
-        if page <= 0:
-            raise ValueError("page size must be positive")
+        page = _page_size(args.page_size)
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
+    if request > limit:
+        print(f"memqos-shim explain: request {args.request} is above limit {format_bytes(limit)}", file=sys.stderr)
+        return 2
     factors = KEP_FACTORS + ((factor,) if factor is not None and factor not in KEP_FACTORS else ())
+    # the container asked about, on the --factor curve (0.9 when --factor is none)
+    mark = (request, factor if factor is not None else 0.9) if request else None
     try:
-        write_plot(args.plot, limit=limit, factors=factors, page=page)
+        data = write_plot(args.plot, limit=limit, factors=factors, page=page, mark=mark)
     except PlotUnavailable as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
@@ -125,6 +155,10 @@ def _explain_plot(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {args.plot}: memory.high against request, limit {format_bytes(limit)}, factors "
           f"{', '.join(f'{f:g}' for f in factors)}, v1.22 formula for contrast")
+    if data.get("mark"):
+        m = data["mark"]
+        high = f"memory.high {m['high']:g}Mi" if m["high"] is not None else "memory.high not set"
+        print(f"marked: request {m['request']:g}Mi at factor {m['factor']:g}: {high}")
     return 0
 
 
@@ -161,15 +195,17 @@ def register(sub) -> None:
     ex.add_argument("--limit", default="0", metavar="Q", help="memory limit (quantity, 0 = none)")
     ex.add_argument("--allocatable", default="0", metavar="Q", help="node allocatable memory (quantity)")
     ex.add_argument("--factor", default="0.9", metavar="F", help="throttling factor in (0, 1] or 'none'")
-    ex.add_argument("--page-size", default=None, metavar="N", help="page size (default: the system's)")
+    ex.add_argument("--page-size", default=None, metavar="N",
+                    help="page size, a power of two of at least 4096 (default: the system's)")
     ex.add_argument("--qos", choices=["guaranteed", "burstable", "besteffort"],
-                    help="QoS class (default: from request and limit)")
+                    help="QoS class (default: from request and limit); one that request and limit contradict "
+                         "is refused (guaranteed: limit = request; besteffort: neither)")
     ex.add_argument("--policy", default="Hard", type=_policy_arg, metavar="POLICY",
                     help="Hard (default), Soft, TieredReservation or None (any case)")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
     ex.add_argument("--plot", metavar="FILE.png",
-                    help="draw memory.high against request (KEP factors, v1.22 for contrast) to a PNG; "
-                         "needs the [plot] extra (matplotlib)")
+                    help="draw memory.high against request (KEP factors, v1.22 for contrast) to a PNG, the "
+                         "container of --request marked on the --factor curve; needs the [plot] extra (matplotlib)")
     ex.set_defaults(func=cmd_explain)
 

@@ -115,7 +115,8 @@ class GrpcServer:
             await asyncio.wait(tasks, timeout=5)
         self._server = None
         try:
-            os.unlink(self.path)
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):  # a socket only: never what replaced it
+                os.unlink(self.path)
         except OSError:
             pass
 

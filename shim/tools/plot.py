@@ -33,8 +33,9 @@ def curves(limit: int, factors, page: int, points: int = 201) -> dict:
 
 
 def write_plot(path: str, *, limit: int = KEP_LIMIT, factors=KEP_FACTORS, page: int = 4096,
-               old_factor: float = 0.9) -> dict:
-    """Render the comparison to path (PNG). Returns the curves (for tests)."""
+               old_factor: float = 0.9, mark: tuple[int, float] | None = None) -> dict:
+    """Render the comparison to path (PNG). Returns the curves (for tests); with ``mark``
+    (request in bytes, factor) that container is marked and described under ``"mark"``."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:  # the optional extra
@@ -70,6 +71,18 @@ def write_plot(path: str, *, limit: int = KEP_LIMIT, factors=KEP_FACTORS, page: 
                     xy=(800, 980), xytext=(560, 470), fontsize=8.5,
                     bbox=dict(boxstyle="round", fc="white", ec="tab:blue", alpha=0.9),
                     arrowprops=dict(arrowstyle="->", color="tab:blue"))
+    if mark is not None:
+        request, f = mark
+        high = memory_high(request, limit, f, page) if request < limit else 0
+        shown = high / MI if high > request else None
+        data["mark"] = {"request": request / MI, "factor": f, "high": shown}
+        y = shown if shown is not None else lim
+        ax.scatter([request / MI], [y], s=90, marker="*", color="black", zorder=5, label="this container")
+        ax.annotate(f"request {request / MI:g}Mi: memory.high "
+                    f"{f'{shown:g}Mi' if shown is not None else 'not set'} (factor {f:g})",
+                    xy=(request / MI, y), xytext=(0.05 * lim, 0.70 * lim), fontsize=8.5,
+                    bbox=dict(boxstyle="round", fc="white", ec="black", alpha=0.9),
+                    arrowprops=dict(arrowstyle="->", color="black"))
     ax.set_xlim(0, lim)
     ax.set_ylim(0, lim * 1.05)
     ax.set_xlabel("memory request (MiB)")

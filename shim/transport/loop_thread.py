@@ -56,6 +56,7 @@ class ThreadedProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._done: asyncio.Event | None = None  # on the caller's loop
+        self._started = False  # the wrapped proxy's start() returned: its loop runs until stop()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._proxy, name)
@@ -82,12 +83,17 @@ class ThreadedProxy:
         self._thread = threading.Thread(target=run, name=self._name, daemon=True)
         self._thread.start()
         await asyncio.wrap_future(ready)
+        self._started = True
 
     def _on_loop(self, coro) -> asyncio.Future:
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     async def stop(self, grace: float | None = None) -> None:
         thread, loop = self._thread, self._loop
+        if not self._started:  # never started, or its start failed: that loop is closed or closing
+            if thread is not None:
+                await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)
+            return
         if thread is None or loop is None or not thread.is_alive():
             return
         try:

@@ -177,7 +177,8 @@ def prepare(target: str, sizes: Sizes, trace: Path | None) -> Workload:
     the CreateContainer measurement, ``replay_pods`` pods with a running container each."""
     import grpc
 
-    from shim.cri import api_pb2_grpc, pb
+    from memqos_dev.testing import cri_grpc as api_pb2_grpc
+    from shim.cri import pb
     from shim.tools.kubelet_requests import create_container, sandbox_config
 
     w = Workload()
