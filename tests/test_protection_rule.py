@@ -165,3 +165,52 @@ def test_capped_min_properties(request, extra, ratio, floor):
     assert value <= max(0, limit - room)
     assert value == request or value % PAGE == 0
     assert room >= min(limit, floor)
+
+
+# -- correct-kubelet-min: the kubelet's own container memory.min --------------------------------------
+OWNS = {"memory.min": "kubelet v1.36 gate on, memoryReservationPolicy TieredReservation",
+        "memory.low": "kubelet v1.36 gate on, memoryReservationPolicy TieredReservation"}
+CORRECTING = NodeFacts(capacity=NODE.capacity, allocatable=NODE.allocatable, page_size=PAGE, factor=0.9,
+                       correct_kubelet_min=True)
+SENT = {"memory.min": str(256 * MI), "memory.low": "0", "memory.high": "max"}
+
+
+def test_the_kubelets_memory_min_is_forwarded_as_sent_by_default():
+    d = decide(GUARANTEED, ContainerFacts(name="c", limit=256 * MI, unified=SENT), NODE, Policy.HARD,
+               kubelet_owns=OWNS)
+    assert d.unified_after["memory.min"] == str(256 * MI)
+
+
+def test_correct_kubelet_min_lowers_the_kubelets_value_and_says_both():
+    d = decide(GUARANTEED, ContainerFacts(name="c", limit=256 * MI, unified=SENT), CORRECTING, Policy.HARD,
+               kubelet_owns=OWNS)
+    assert d.unified_after["memory.min"] == "241590272"
+    assert d.unified_after["memory.low"] == "0"  # the kubelet's, untouched
+    why = d.reasons["memory.min"]
+    assert "kubelet's '268435456' lowered to 241590272 (correct-kubelet-min)" in why
+    assert "limit 268435456 - headroom 26843546" in why and "protection-that-never-oom-kills" in why
+
+
+@pytest.mark.parametrize("sent,limit", [
+    ({"memory.min": str(32 * MI), "memory.low": "0"}, 256 * MI),  # far under the limit: as sent
+    ({"memory.min": "0", "memory.low": str(256 * MI)}, 256 * MI),  # memory.low: never touched
+    ({"memory.min": str(256 * MI)}, 0),  # no limit: no cap
+    ({"memory.min": "garbage"}, 256 * MI),  # not a byte count: as sent
+])
+def test_correct_kubelet_min_never_raises_nor_touches_other_keys(sent, limit):
+    d = decide(BURSTABLE, ContainerFacts(name="c", limit=limit, unified=sent), CORRECTING, Policy.HARD,
+               kubelet_owns=OWNS)
+    assert {k: d.unified_after.get(k) for k in sent} == sent
+
+
+def test_a_corrected_kubelet_value_still_states_the_request_to_the_node_state():
+    from shim.decision.events import ContainerCreated
+
+    d = decide(GUARANTEED, ContainerFacts(name="main", limit=256 * MI, unified=SENT), CORRECTING, Policy.HARD,
+               kubelet_owns=OWNS)
+    s = NodeState(NODE.capacity)
+    s.apply(ContainerCreated("c1", "sb1", GUARANTEED, 0, "main", 0,
+                             ContainerFacts(name="main", limit=256 * MI, unified=SENT), dict(d.unified_after), {}, 1, 2))
+    assert s.container("c1").request == 256 * MI
+    s.apply(ContainerResourcesUpdated("c1", dict(d.unified_after), SENT, 256 * MI))
+    assert s.take_departures() == {} and s.container("c1").request == 256 * MI

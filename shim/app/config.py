@@ -298,6 +298,10 @@ OPTIONS: tuple[Option, ...] = (
            "then carries the request); in [0, 1)", "R", where=FILE),
     Option("protection-headroom-min", "int", 8 * 1024 * 1024, _quantity,
            "the headroom under a container's limit is at least this (quantity)", "Q", where=FILE),
+    Option("correct-kubelet-min", "bool", False, _bool,
+           "where the kubelet owns a container's memory.min (v1.36+, gate on, a memoryReservationPolicy) and "
+           "sends one, lower it under the limit by the protection-headroom rule (never raised; the kubelet's "
+           "memory.low and memory.high untouched); false forwards the kubelet's value as sent", where=FILE),
     Option("audit-log", "str | None", "-", _optional_path,
            "audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is reopened on SIGHUP "
            "(logrotate's create mode)"),

@@ -61,6 +61,11 @@ class Config:
     #: protection-headroom-min (config file only): the headroom under a container's limit is at
     #: least this (quantity)
     protection_headroom_min: int = 8 * 1024 * 1024
+    #: correct-kubelet-min (config file only): where the kubelet owns a container's memory.min
+    #: (v1.36+, gate on, a memoryReservationPolicy) and sends one, lower it under the limit by the
+    #: protection-headroom rule (never raised; the kubelet's memory.low and memory.high untouched);
+    #: false forwards the kubelet's value as sent
+    correct_kubelet_min: bool = False
     #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
     #: reopened on SIGHUP (logrotate's create mode)
     audit_log: str | None = "-"

@@ -155,6 +155,26 @@ def _bounded_limit(node: NodeFacts, container: ContainerFacts, notes: list[str])
     return container, limit
 
 
+def _correct_kubelet_min(after: dict[str, str], reasons: dict[str, str], sent: str, limit: int,
+                         node: NodeFacts) -> None:
+    """Setting correct-kubelet-min: the kubelet's container memory.min (its request) lowered
+    under the limit by the rule of ``capped_min``; never raised, memory.low / memory.high
+    untouched."""
+    raw = after.get("memory.min", "")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19):
+        return
+    value = int(raw)
+    capped, room = capped_min(value, limit, node)
+    if capped >= value:
+        return
+    after["memory.min"] = str(capped)
+    reasons["memory.min"] = (
+        f"kubelet's {sent!r} lowered to {capped} (correct-kubelet-min): capped at limit {limit} - headroom {room}"
+        f" = {limit - room}, rounded down to a page, so the pod can reclaim its own page cache ({NEVER_OOM}); "
+        + ("no memory.min is left under this limit; " if capped == 0 else "")
+        + f"before: {reasons['memory.min']}")
+
+
 def _kubelet_value(key: str, raw: str, node: NodeFacts) -> tuple[str, str]:
     """A value the kubelet owns, forwarded as sent unless it is a byte count above what the node
     has: memory.min / memory.low above allocatable are clamped to it, memory.high above the
@@ -233,6 +253,8 @@ def decide(
                     reasons[key] = f"{note} (the kubelet owns it: {kubelet_owns[key]})"
                 else:
                     reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
+                if key == "memory.min" and node.correct_kubelet_min:
+                    _correct_kubelet_min(after, reasons, before[key], limit, node)
             else:
                 reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
             continue
