@@ -85,10 +85,17 @@ class Config:
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)
     socket_group: str | None = None
-    #: max-connections (config file only): kubelet connections the relay serves at once (the kubelet
-    #: keeps one or two, crictl and doctor add one each while they run); a connection beyond it is
-    #: sent GOAWAY and closed at once, the open ones are served
+    #: max-connections (config file only): connections the relay serves at once (the kubelet keeps
+    #: one or two, crictl and doctor add one each while they run); at the limit the idle connection
+    #: quiet longest (no open stream; of the process holding the most connections first) is sent
+    #: GOAWAY and closed for the new one, which is refused only when every open connection has a
+    #: call in flight; counted in memqos_transport_connections_shed_total
     max_connections: int = 128
+    #: max-connections-per-peer (config file only): connections the relay serves at once from one
+    #: process (its pid, from the socket's peer credentials); beyond it that process's idle
+    #: connection quiet longest is sent GOAWAY and closed for its new one, which is refused only
+    #: when all of that process's connections have a call in flight
+    max_connections_per_peer: int = 64
     #: socket-mode (config file only): socket mode (octal); default 0600, or 0660 with --socket-
     #: group
     socket_mode: int | None = None

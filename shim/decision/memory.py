@@ -16,6 +16,14 @@ from shim.decision.request import resolve_request
 NEUTRAL = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
 
 
+def kernel_values(decision: Decision, kubelet_owns: Mapping[str, str]) -> dict[str, str]:
+    """What the container's cgroup holds once the runtime applied ``decision`` (created or
+    updated with its ``unified_after``), for the keys the shim owns: the value sent, or the
+    kernel's default for a key left out. Keys the kubelet owns are not the shim's to check."""
+    after = decision.unified_after
+    return {k: after.get(k, NEUTRAL[k]) for k in OWNED_KEYS if k not in kubelet_owns}
+
+
 def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> int:
     """floor(req + (ceiling - req) * factor) in IEEE float64 like the kubelet, then
     rounded down to a whole page with integer arithmetic. ceiling is the limit, or
