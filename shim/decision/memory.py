@@ -47,7 +47,32 @@ def protection_key(policy: Policy, qos: QoSClass) -> str | None:
     return "memory.min" if qos is QoSClass.GUARANTEED else "memory.low"  # TieredReservation
 
 
-def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, int], dict[str, str]]:
+NEVER_OOM = "docs/memory-qos.md#protection-that-never-oom-kills"
+
+
+def headroom(limit: int, ratio: float, floor: int) -> int:
+    """How far a container's memory.min stays under its limit: max(ceil(limit * ratio), floor),
+    in IEEE float64 like memory.high, never above the limit."""
+    return min(limit, max(math.ceil(float(limit) * ratio), floor))
+
+
+def capped_min(request: int, limit: int, node: NodeFacts) -> tuple[int, int]:
+    """(memory.min, headroom) for a container whose policy puts its request in memory.min:
+    min(request, limit - headroom(limit)), the capped value rounded down to a page, never below
+    0; no limit (0): the request, headroom 0. Below its limit by more than the pod's sandbox
+    uses, the container is above its memory.min whenever the pod is at its memory.max, so its
+    page cache stays reclaimable there (docs/memory-qos.md, "Protection that never OOM-kills")."""
+    if limit <= 0 or request <= 0:
+        return max(0, request), 0
+    room = headroom(limit, node.headroom_ratio, node.headroom_min)
+    if request <= limit - room:
+        return request, room
+    page = max(1, node.page_size)
+    return max(0, (limit - room) // page * page), room
+
+
+def _protection(policy: Policy, qos: QoSClass, req: Request, limit: int,
+                node: NodeFacts) -> tuple[dict[str, int], dict[str, str]]:
     keys: dict[str, int] = {}
     reasons: dict[str, str] = {}
     why = f"request {req.bytes} from {req.source.value}"
@@ -65,7 +90,32 @@ def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, 
         else:
             reasons[key] = f"{why} (policy {policy.value})"
             reasons[other] = f"not set: {key} protects this container"
+        if key == "memory.min":
+            _cap_min(keys, reasons, req, limit, node)
     return keys, reasons
+
+
+def _cap_min(keys: dict[str, int], reasons: dict[str, str], req: Request, limit: int, node: NodeFacts) -> None:
+    """memory.min capped under the limit; memory.low then carries the request (memory.low never
+    OOM-kills: the kernel reclaims below it when nothing else is left)."""
+    value, room = capped_min(req.bytes, limit, node)
+    if value >= req.bytes:
+        return
+    raw = limit - room
+    cap = (f"capped at limit {limit} - headroom {room} = {raw}"
+           + (f" -> {value}" if value != raw else "") + " so the pod can reclaim its own page cache "
+           f"({NEVER_OOM})")
+    keys["memory.low"] = req.bytes
+    if value > 0:
+        keys["memory.min"] = value
+        reasons["memory.min"] += f"; {cap}"
+        reasons["memory.low"] = (f"request {req.bytes}: memory.min is capped under the limit, memory.low "
+                                 f"protects the rest (memory.low never OOM-kills)")
+    else:
+        del keys["memory.min"]
+        reasons["memory.min"] = f"not set: {reasons['memory.min']}; {cap}: nothing left"
+        reasons["memory.low"] = (f"request {req.bytes}: memory.min capped to 0 under the limit, memory.low "
+                                 f"protects the container instead (memory.low never OOM-kills)")
 
 
 def _throttle(node: NodeFacts, qos: QoSClass, req: Request, limit: int) -> tuple[int | None, str]:
@@ -111,6 +161,26 @@ def _bounded_limit(node: NodeFacts, container: ContainerFacts, notes: list[str])
         notes.append(f"limit {limit} above {cap[1]} {cap[0]}: treated as no limit")
         limit = 0
     return container, limit
+
+
+def _correct_kubelet_min(after: dict[str, str], reasons: dict[str, str], sent: str, limit: int,
+                         node: NodeFacts) -> None:
+    """Setting correct-kubelet-min: the kubelet's container memory.min (its request) lowered
+    under the limit by the rule of ``capped_min``; never raised, memory.low / memory.high
+    untouched."""
+    raw = after.get("memory.min", "")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19):
+        return
+    value = int(raw)
+    capped, room = capped_min(value, limit, node)
+    if capped >= value:
+        return
+    after["memory.min"] = str(capped)
+    reasons["memory.min"] = (
+        f"kubelet's {sent!r} lowered to {capped} (correct-kubelet-min): capped at limit {limit} - headroom {room}"
+        f" = {limit - room}, rounded down to a page, so the pod can reclaim its own page cache ({NEVER_OOM}); "
+        + ("no memory.min is left under this limit; " if capped == 0 else "")
+        + f"before: {reasons['memory.min']}")
 
 
 def _kubelet_value(key: str, raw: str, node: NodeFacts) -> tuple[str, str]:
@@ -171,7 +241,7 @@ def decide(
             notes = notes or []
             notes.append(clamped)
             req = replace(req, bytes=clamped_bytes)
-    desired, reasons = _protection(policy, qos, req)
+    desired, reasons = _protection(policy, qos, req, limit, node)
     if clamped:
         for key in desired:
             reasons[key] += f" ({clamped})"
@@ -191,6 +261,8 @@ def decide(
                     reasons[key] = f"{note} (the kubelet owns it: {kubelet_owns[key]})"
                 else:
                     reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
+                if key == "memory.min" and node.correct_kubelet_min:
+                    _correct_kubelet_min(after, reasons, before[key], limit, node)
             else:
                 reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
             continue
