@@ -62,7 +62,14 @@ def scenarios(mode: str) -> list[dict]:
             M.Pod("burstable", "b0000002", (G("app", 128 * MI, 256 * MI, holder),)),
             M.Pod("besteffort", "b0000003", (G("app", 0, 0, holder),)),
             M.Pod("aggressor", "b0000004", (G("app", 0, 0, ("hog", aggressor, 10)),), "aggressor")]},
-    ]
+    ] + ([] if quick else [
+        # an aggressor that wants 32 MiB more than its limit, beside a Guaranteed holder: with memory.high
+        # (factor 0.9) a wide gap to memory.max (request 32, limit 384: 35 MiB) holds it at memory.high,
+        # a narrow one (request 240, limit 256: 1.6 MiB) lets it through to memory.max
+        {"name": f"gap-{name}", "allocatable": allocatable, "hold": 30, "timeout": 240, "pods": [
+            M.Pod("guaranteed", f"c000000{i}", (G("app", 128 * MI, 128 * MI, holder),)),
+            M.Pod("aggressor", f"c100000{i}", (G("app", req * MI, lim * MI, ("hog", lim + 32, 10)),), "aggressor")]}
+        for i, (name, req, lim) in enumerate((("wide", 32, 384), ("narrow", 240, 256)))])
 
 
 class PressureScenario:
@@ -136,6 +143,12 @@ class PressureScenario:
                 v = cg_read(p.path, f"memory.{key}")
                 d[key] = int(v) if v.isdigit() else v
             d["events"] = parse_events(cg_read(p.path, "memory.events"))
+            for b in p.boxes:  # the container with the lowest memory.high (the kubelet sets it there)
+                high = cg_read(f"{p.path}/{b.name}", "memory.high")
+                if high.isdigit() and int(high) < d.get("box_high", 1 << 62):
+                    d["box_high"] = int(high)
+                    cur = cg_read(f"{p.path}/{b.name}", "memory.current")
+                    d["box_current"] = int(cur) if cur.isdigit() else 0
             d["stat"] = O.parse_stat(cg_read(p.path, "memory.stat"))
             out["pods"][p.name] = d
         v = cg_read("kubepods", "memory.current")
@@ -233,6 +246,7 @@ class PressureScenario:
                 "refault_file": O.delta(samples, p.name, "workingset_refault_file", since),
                 "refault_anon": O.delta(samples, p.name, "workingset_refault_anon", since),
                 "pgmajfault": O.delta(samples, p.name, "pgmajfault", since),
+                "at_high_s": O.at_high(samples, p.name, SAMPLE),
                 "p50_ms": O.percentile(passes, 50), "p99_ms": O.percentile(passes, 99), "passes": len(passes),
             }
         return run

@@ -71,6 +71,13 @@ def reclaimed_at(samples: list[dict], pod: str, since: float, share: float = REC
     return None
 
 
+def at_high(samples: list[dict], pod: str, interval: float) -> float:
+    """Seconds (samples x interval) the pod's container with a memory.high spent at it (within 1 MiB)."""
+    n = sum(1 for s in samples if pod in s["pods"] and "box_high" in s["pods"][pod]
+            and s["pods"][pod].get("box_current", 0) >= s["pods"][pod]["box_high"] - MI)
+    return round(n * interval, 1)
+
+
 def oom_killed(run: dict) -> set[str]:
     return {name for name, p in run["pods"].items() if p.get("oom_kill", 0) > 0}
 
@@ -115,6 +122,8 @@ def outcome(run: dict) -> str:
     for name, p in run["pods"].items():
         if p.get("oom_kill"):
             parts.append(f"{name} OOM-killed ({p['oom_kill']})")
+        elif p.get("at_high_s", 0) >= 5:
+            parts.append(f"{name} held at memory.high {p['at_high_s']:g} s")
     if not parts:
         writers = [p for p in run["pods"].values() if p.get("role") == "writer"]
         parts.append("completed" if writers and all(p.get("completed") for p in writers) else
@@ -157,7 +166,7 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
                 continue
             ts = [t for t, _ in pts]
             top.plot(ts, [v.get("current", 0) / MI for _, v in pts], color=c, label=pod)
-            for key, style in (("min", "--"), ("low", ":"), ("high", "-.")):
+            for key, style in (("min", "--"), ("low", ":"), ("box_high", "-.")):
                 vals = [v.get(key) for _, v in pts]
                 if any(isinstance(x, int) and x > 0 for x in vals):
                     top.plot(ts, [(x or 0) / MI if isinstance(x, int) else float("nan") for x in vals],

@@ -147,3 +147,14 @@ def test_plot_writes_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     w, h = struct.unpack(">II", data[16:24])
     assert w >= 600 and h >= 500 and len(data) > 20_000
+
+
+def test_time_held_at_memory_high():
+    held = [{"t": t, "pods": {"a": {"box_high": 100 * MI, "box_current": c}}}
+            for t, c in ((0.0, 50 * MI), (0.2, 99.5 * MI), (0.4, 100 * MI), (0.6, 101 * MI))]
+    assert O.at_high(held, "a", 0.2) == 0.6
+    assert O.at_high([{"t": 0.0, "pods": {"a": {"current": 5}}}], "a", 0.2) == 0.0  # no memory.high
+    r = run("kubelet", a=(0, 0))
+    r["pods"]["a"]["at_high_s"] = 12.4
+    r["pods"]["a"]["role"] = "aggressor"
+    assert O.outcome(r) == "a held at memory.high 12.4 s"
