@@ -123,6 +123,17 @@ class ContainerExpectation:
     high: int | None  # None = not written ("max")
     max: int | None  # None = no limit ("max")
     why: dict = field(default_factory=dict)
+    low: int = 0  # 0 = not written: the request where memory.min is capped under the limit
+
+
+def capped_min(request: int, limit: int, page: int, ratio: float = 0.1, floor: int = 8 * 2**20) -> int:
+    """memory.min of a container with a limit: at most limit - max(ceil(limit * ratio), floor),
+    rounded down to a page when capped, never below 0 (docs/memory-qos.md, "Protection that never
+    OOM-kills"; the defaults of protection-headroom-ratio / -min)."""
+    if limit <= 0 or request <= 0:
+        return max(0, request)
+    cap = limit - max(math.ceil(float(limit) * ratio), floor)
+    return request if request <= cap else max(0, cap // page * page)
 
 
 def container_expectation(qos: str, limit: int, oom_score_adj: int, unified: dict, node: Node) -> ContainerExpectation:
@@ -147,7 +158,12 @@ def container_expectation(qos: str, limit: int, oom_score_adj: int, unified: dic
             why["memory.high"] = f"floor({req.bytes} + ({what} {ceiling} - {req.bytes}) * {node.factor}) paged"
         else:
             why["memory.high"] = f"{value} not above the request: not set"
-    return ContainerExpectation(qos, req, limit, req.bytes, high, limit or None, why)
+    low = 0
+    protect = capped_min(req.bytes, limit, node.page)
+    if protect < req.bytes:
+        low = req.bytes
+        why["memory.min"] = f"capped under the limit {limit}: {protect}; memory.low = request {low}"
+    return ContainerExpectation(qos, req, limit, protect, high, limit or None, why, low)
 
 
 def pod_request(regular: list[int], init: list[int], overhead: int = 0) -> int:

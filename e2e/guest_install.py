@@ -130,8 +130,8 @@ def _traffic(g, data: dict) -> dict:
     data["create_pod_s"] = round(time.time() - t, 2)
     pg = g.node.page
     e = pod["exp"]
-    want = {"memory.min": X.kernel_reads(e.min, pg), "memory.high": X.kernel_reads(e.high, pg),
-            "memory.max": X.kernel_reads(e.max, pg)}
+    want = {"memory.min": X.kernel_reads(e.min, pg), "memory.low": X.kernel_reads(e.low, pg),
+             "memory.high": X.kernel_reads(e.high, pg), "memory.max": X.kernel_reads(e.max, pg)}
     for f, v in want.items():
         _check(g, "traffic", "container installed/main (Burstable) made through the installed unit",
                f"{G.CGROOT}/{pod['scope']}/{f}", v, G.cg_read(pod["scope"], f), json.dumps(e.why, sort_keys=True),

@@ -357,8 +357,8 @@ class Guest(SystemdPhases):
         pg = self.node.page
         for p in self.pods.values():
             e = p["exp"]
-            want = {"memory.min": X.kernel_reads(e.min, pg), "memory.high": X.kernel_reads(e.high, pg),
-                    "memory.max": X.kernel_reads(e.max, pg)}
+            want = {"memory.min": X.kernel_reads(e.min, pg), "memory.low": X.kernel_reads(e.low, pg),
+                     "memory.high": X.kernel_reads(e.high, pg), "memory.max": X.kernel_reads(e.max, pg)}
             for f, v in want.items():
                 self.check(step, f"container {p['name']}/main ({p['qos']})", f"{CGROOT}/{p['scope']}/{f}", v,
                            G.cg_read(p["scope"], f), json.dumps(e.why, sort_keys=True))

@@ -111,9 +111,10 @@ class Scenario:
         if c["init"]:
             self.check_init(step, pod, c, exp, subject, why)
             return
-        for key, value in (("memory.min", exp.min), ("memory.high", exp.high), ("memory.max", exp.max)):
-            # memory.min 0 reads "0"; an unset memory.high / memory.max reads "max"
-            want = "0" if key == "memory.min" and not value else X.kernel_reads(value, page)
+        for key, value in (("memory.min", exp.min), ("memory.low", exp.low), ("memory.high", exp.high),
+                           ("memory.max", exp.max)):
+            # memory.min / memory.low 0 read "0"; an unset memory.high / memory.max reads "max"
+            want = "0" if key in ("memory.min", "memory.low") and not value else X.kernel_reads(value, page)
             self.report.check(self.name, step, subject, f"{CGROOT}{cg}/{key}", want, cg_read(cg, key), why)
 
     def check_init(self, step, pod, c, exp, subject, why) -> None:
@@ -130,6 +131,8 @@ class Scenario:
         base = f"runtimeSpec {pod['parent']}/{c['id']} linux.resources"
         self.report.check(self.name, step, subject, f"{base}.unified[memory.min]",
                           str(exp.min) if exp.min else "(absent)", unified.get("memory.min", "(absent)"), why, src)
+        self.report.check(self.name, step, subject, f"{base}.unified[memory.low]",
+                          str(exp.low) if exp.low else "(absent)", unified.get("memory.low", "(absent)"), why, src)
         self.report.check(self.name, step, subject, f"{base}.unified[memory.high]",
                           str(exp.high) if exp.high else "(absent)", unified.get("memory.high", "(absent)"), why, src)
         self.report.check(self.name, step, subject, f"{base}.memory.limit",

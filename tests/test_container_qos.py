@@ -64,7 +64,8 @@ def test_update_of_unknown_container_still_decides_from_the_update():
     hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append)
     upd = update_resources("unknown", limit=64 * MI, oom_score_adj=-997)
     out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
-    assert dict(out.linux.unified) == {"memory.min": str(64 * MI), "memory.low": "0", "memory.high": "max"}
+    assert dict(out.linux.unified) == {"memory.min": str(56 * MI), "memory.low": str(64 * MI),
+                                      "memory.high": "max"}  # memory.min 8Mi under the limit
     assert "not seen at creation" in records[0]["note"]
 
 
@@ -81,7 +82,8 @@ def test_update_to_request_equal_limit_resets_memory_high():
     upd = update_resources("c1", limit=64 * MI, oom_score_adj=969)
     out = pb.UpdateContainerResourcesRequest.FromString(run(hooks, UPDATE_CONTAINER_RESOURCES, upd.SerializeToString()))
     assert out.linux.unified["memory.high"] == "max"
-    assert out.linux.unified["memory.min"] == str(64 * MI)
+    assert out.linux.unified["memory.min"] == str(56 * MI)  # 8Mi under the limit
+    assert out.linux.unified["memory.low"] == str(64 * MI)
 
 
 def test_removed_containers_are_forgotten():

@@ -57,8 +57,9 @@ def test_kep_table(request_mi, factor, high_mi):
         assert "request equals limit" in d.reasons["memory.high"]
     else:
         assert d.unified_after["memory.high"] == str(high_mi * Mi)
-    if request_mi:
-        assert d.unified_after["memory.min"] == str(request_mi * Mi)
+    if request_mi:  # memory.min stays a headroom of max(10% of the limit, 8Mi) = 100Mi under the limit
+        assert d.unified_after["memory.min"] == str(min(request_mi, 900) * Mi)
+        assert d.unified_after.get("memory.low") == (str(request_mi * Mi) if request_mi > 900 else None)
     else:
         assert "memory.min" not in d.unified_after
 
@@ -85,7 +86,8 @@ def test_besteffort_from_allocatable():
 def test_guaranteed_never_gets_memory_high():
     node = NodeFacts(capacity=8 * Gi, allocatable=8 * Gi, page_size=4096, factor=0.9)
     d = decide(GUARANTEED, ContainerFacts(limit=64 * Mi, oom_score_adj=-997), node, Policy.HARD)
-    assert dict(d.unified_after) == {"memory.min": str(64 * Mi)}
+    # memory.min capped a headroom of 8Mi under the limit, memory.low carries the request
+    assert dict(d.unified_after) == {"memory.min": str(56 * Mi), "memory.low": str(64 * Mi)}
     assert d.request.source is RequestSource.GUARANTEED_LIMIT
 
 
@@ -133,6 +135,8 @@ def test_policies(policy, pod, expect_key):
     protection = {k: v for k, v in d.unified_after.items() if k in ("memory.min", "memory.low")}
     if expect_key is None:
         assert protection == {}
+    elif pod is GUARANTEED:  # memory.min capped under the limit (128Mi - ceil(12.8Mi), page), memory.low = request
+        assert protection == {"memory.min": "120795136", "memory.low": str(128 * Mi)}
     else:
         assert protection == {expect_key: str(128 * Mi)}
 

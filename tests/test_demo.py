@@ -12,7 +12,7 @@ def test_demo_rewrites_every_pod(tmp_path, capsys):
                  if r.get("method") in ("CreateContainer", "UpdateContainerResources")}
     assert len(decisions) == 9
     web = decisions[("web", "app", "CreateContainer")]
-    assert web["qos"] == "Guaranteed" and web["unified_after"] == {"memory.min": str(256 * 2**20)}
+    assert web["qos"] == "Guaranteed" and web["unified_after"] == {"memory.min": "241590272", "memory.low": str(256 * 2**20)}
     newer = decisions[("newer-kubelet", "app", "CreateContainer")]
     assert newer["unified_after"]["memory.oom.group"] == "1" and newer["unified_after"]["memory.high"] != "max"
     resize = decisions[("api", "app", "UpdateContainerResources")]
@@ -22,7 +22,7 @@ def test_demo_rewrites_every_pod(tmp_path, capsys):
     assert "CreateContainer" in out
     # sizes in Mi/Gi beside the bytes, in the table and in the pod / QoS / node values the
     # reconciler wrote (it learns the cgroup parents from the stand-in runtime's listings)
-    assert "{} -> {memory.min=256Mi (268435456)}" in out
+    assert "{} -> {memory.low=256Mi (268435456), memory.min=230.4Mi (241590272)}" in out
     assert "memory.oom.group=1}" in out
     assert f"/kubepods/pod{demo.PODS[0][1]}  memory.min=256Mi (268435456)" in out
 

@@ -132,7 +132,7 @@ def test_more_cases_match_the_decision(row):
     factor = None if row["factor"] == "none" else float(row["factor"])
     d = container_decision(qos, int(row["request"]), int(row["limit"]), int(row["allocatable"]), factor,
                            int(row["page"]))
-    for key in ("memory.min", "memory.high"):
+    for key in ("memory.min", "memory.low", "memory.high"):
         if row[key] == "not set":
             assert key not in d.unified_after, (key, d.reasons[key])
         else:
@@ -237,7 +237,13 @@ def test_container_protection_per_policy(row):
             assert keys == {}, (qos, d.reasons)
         else:
             key, what = (s.strip() for s in shown.split("="))
-            assert what == "request" and keys == {key: str(128 * MI)}, (qos, keys)
+            assert what in ("request", "request, capped under the limit") and keys == {key: str(128 * MI)}, (qos, keys)
+            at_limit = container_decision(qos, 256 * MI, 256 * MI, 8 << 30, None, 4096, policy)
+            capped = {k: v for k, v in at_limit.unified_after.items() if k in ("memory.min", "memory.low")}
+            if what == "request":
+                assert capped == {key: str(256 * MI)}, (qos, capped)
+            else:  # 256Mi - ceil(25.6Mi), rounded down to a page; memory.low the request
+                assert key == "memory.min" and capped == {key: "241590272", "memory.low": str(256 * MI)}, (qos, capped)
 
 
 def test_policy_names_in_any_case():

@@ -49,7 +49,9 @@ def test_expect_request_equal_limit_and_guaranteed_have_no_high():
     node = X.Node(capacity=4000 * MI, page=4096)
     assert X.container_expectation(X.BURSTABLE, 1000 * MI, 500, {"memory.min": str(1000 * MI)}, node).high is None
     g = X.container_expectation(X.GUARANTEED, 64 * MI, -997, {}, node)
-    assert (g.min, g.high, g.max) == (64 * MI, None, 64 * MI)
+    # memory.min a headroom of 8Mi under the limit, memory.low = the request
+    assert (g.min, g.low, g.high, g.max) == (56 * MI, 64 * MI, None, 64 * MI)
+    assert g.request.bytes == 64 * MI
 
 
 def test_expect_float64_page_boundary():

@@ -226,8 +226,9 @@ def create_request(sid: str, sb: pb.PodSandboxConfig, name: str, qos: str, reque
 
 def expected_unified(qos: str, request: int, limit: int) -> dict:
     """Burstable requests are given exactly through the pod annotation (as in test_serve)."""
-    if qos == "guaranteed":
-        return {"memory.min": str(limit)}
+    if qos == "guaranteed":  # memory.min max(ceil(10%), 8Mi) under the limit, page-rounded; memory.low the request
+        cap = limit - max(-(-limit // 10), 8 * 2**20)
+        return {"memory.min": str(cap // 4096 * 4096), "memory.low": str(limit)}
     if qos == "burstable":
         return {"memory.min": str(request), "memory.high": str(expected_high(request, limit or ALLOC))}
     return {"memory.high": str(expected_high(0, ALLOC))}

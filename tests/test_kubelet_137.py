@@ -23,6 +23,7 @@ PAGE = 4096
 CAPACITY = 2060419072  # reconciler_support's meminfo
 ALLOC = CAPACITY - 200 * MI  # kubeReserved + systemReserved 100Mi each
 B_REQ, B_LIM, G_REQ = 32 * MI, 128 * MI, 64 * MI
+G_MIN = G_REQ - 8 * MI  # the Guaranteed container's memory.min: 8Mi (the least headroom) under its limit
 REQUESTS = {"memqos.io/requests": json.dumps({"main": "32Mi"})}  # the exact request, for the shim
 
 CONFIGS = {
@@ -91,7 +92,7 @@ def test_v137_defaults_the_kubelet_writes_nothing_the_shim_everything(stack, dri
     assert sent["b"] == {"memory.oom.group": "1", "memory.min": "0", "memory.low": "0", "memory.high": "max"}
     # the shim replaces them (policy Hard, factor 0.9 of its own)
     assert got["b"] == {"memory.oom.group": "1", "memory.min": str(B_REQ), "memory.high": str(high(B_REQ, B_LIM))}
-    assert got["g"] == {"memory.oom.group": "1", "memory.min": str(G_REQ)}
+    assert got["g"] == {"memory.oom.group": "1", "memory.min": str(G_MIN), "memory.low": str(G_REQ)}
     assert kubelet_files == {}
     assert t.nonzero() == {t.kubepods: (G_REQ + B_REQ, 0), t.burstable: (B_REQ, 0),
                            t.pod("guaranteed", G_UID): (G_REQ, 0), t.pod("burstable", B_UID): (B_REQ, 0)}
@@ -136,7 +137,7 @@ def test_v137_factor_the_kubelet_owns_memory_high(stack, driver):
     assert "memory.high" not in sent["g"]  # Guaranteed: none
     # memory.high is the kubelet's, forwarded unchanged; protection is the shim's (policy Hard)
     assert got["b"] == {"memory.oom.group": "1", "memory.min": str(B_REQ), "memory.high": kubelet_high}
-    assert got["g"] == {"memory.oom.group": "1", "memory.min": str(G_REQ)}
+    assert got["g"] == {"memory.oom.group": "1", "memory.min": str(G_MIN), "memory.low": str(G_REQ)}
     assert kubelet_files == {}
     assert t.nonzero() == {t.kubepods: (G_REQ + B_REQ, 0), t.burstable: (B_REQ, 0),
                            t.pod("guaranteed", G_UID): (G_REQ, 0), t.pod("burstable", B_UID): (B_REQ, 0)}

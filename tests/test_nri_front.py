@@ -352,7 +352,8 @@ def test_events_drive_pod_qos_and_kubepods_values_and_answers_come_over_the_sock
                                                                                    linux_resources=res),
                                      pb.UpdateContainerResponse)
                 [u] = reply.update
-                assert u.container_id == "cg" and u.linux.resources.unified["memory.min"] == str(640 * MI)
+                assert u.container_id == "cg" and u.linux.resources.unified["memory.min"] == str(576 * MI)
+                assert u.linux.resources.unified["memory.low"] == str(640 * MI)  # memory.min 10% under the limit
                 st.settle(service)
                 assert tree.get(tree.pod("guaranteed", UG)) == 640 * MI
                 assert tree.get(tree.kubepods) == 896 * MI
@@ -488,7 +489,9 @@ def test_memqos_shim_nri_as_a_process_registers_and_adjusts(tmp_path):
                 await p.call("StateChange", pb.StateChangeEvent(event=pb.RUN_POD_SANDBOX, pod=g), pb.Empty)
                 resp = await p.create_container(g, nri_container("cg", g, "app", "guaranteed", request=512 * MI,
                                                                  limit=512 * MI))
-                assert resp.adjust.linux.resources.unified["memory.min"] == str(512 * MI)
+                # memory.min ceil(10%) under the limit, page-rounded; memory.low the request
+                assert resp.adjust.linux.resources.unified["memory.min"] == "483180544"
+                assert resp.adjust.linux.resources.unified["memory.low"] == str(512 * MI)
                 for _ in range(200):
                     if tree.get(tree.pod("guaranteed", UG)) == 512 * MI and health.exists() and \
                             json.loads(health.read_text())["state"] == "registered":

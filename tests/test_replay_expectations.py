@@ -94,7 +94,15 @@ def expected_for(call: dict, header: dict) -> dict:
 
     unified = {k: v for k, v in kubelet_unified.items() if k not in ("memory.min", "memory.low", "memory.high")}
     if request > 0:
-        unified["memory.min"] = str(request)
+        # memory.min at most the limit less max(ceil(10% of it), 8Mi), page-rounded when capped;
+        # memory.low then carries the request (docs/memory-qos.md, "Protection that never OOM-kills")
+        cap = limit - max(math.ceil(limit * 0.1), 8 * MI) if limit > 0 else request
+        if request <= cap:
+            unified["memory.min"] = str(request)
+        else:
+            if cap // page * page > 0:
+                unified["memory.min"] = str(cap // page * page)
+            unified["memory.low"] = str(request)
     request_may_equal_limit = limit > 0 and (request == limit or (upper is not None and request <= limit < upper))
     if qos != "Guaranteed" and not request_may_equal_limit:
         ceiling = limit if limit > 0 else alloc

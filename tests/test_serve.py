@@ -148,8 +148,9 @@ def test_create_container_rewritten(stack, name, qos, driver, leaf_only, req, li
     ann = {"memqos.io/requests": json.dumps({"main": f"{request}"})} if qos == "burstable" else None
     sid, sb = run_pod(shim, name, uid, qos, driver=driver, leaf_only=leaf_only, annotations=ann)
     cid, unified, received, sent = create(shim, runtime, sid, sb, "main", qos, request=request, limit=limit)
-    if qos == "guaranteed":
-        assert unified == {"memory.min": str(limit)}
+    if qos == "guaranteed":  # memory.min max(ceil(10%), 8Mi) under the limit, page-rounded; memory.low the request
+        cap = limit - max(-(-limit // 10), 8 * 2**20)
+        assert unified == {"memory.min": str(cap // 4096 * 4096), "memory.low": str(limit)}
     elif qos == "burstable":
         assert unified == {"memory.min": str(request), "memory.high": str(expected_high(request, limit or ALLOC))}
     else:

@@ -133,7 +133,7 @@ def test_explain(installed):
 def test_demo(installed):
     p = installed.run("demo", "--out", str(installed.home / "demo"), timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "{} -> {memory.min=256Mi (268435456)}" in p.stdout
+    assert "{} -> {memory.low=256Mi (268435456), memory.min=230.4Mi (241590272)}" in p.stdout
     assert "Traceback" not in p.stderr
 
 

@@ -135,6 +135,16 @@ def _non_negative_float(v: Any) -> float:
     return n
 
 
+def _headroom_ratio(v: Any) -> float:
+    try:
+        n = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"not a number: {v!r}")
+    if not 0 <= n < 1:
+        raise ConfigError(f"must be in [0, 1): {v!r}")
+    return n
+
+
 def _percent(v: Any) -> float:
     text = str(v).strip().rstrip("%")
     try:
@@ -280,7 +290,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "Policy", Policy.HARD, _policy,
            "protection policy, named like the kubelet's memoryReservationPolicy: Hard (memory.min = request "
            "for every pod and container with one), Soft (memory.low = request for all), TieredReservation "
-           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); any case"),
+           "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); any case; a "
+           "container's memory.min stays protection-headroom under its limit"),
+    Option("protection-headroom-ratio", "float", 0.1, _headroom_ratio,
+           "a container's memory.min is at most its limit minus max(limit x this, protection-headroom-min), "
+           "so a pod at its memory.max can reclaim its own page cache instead of being OOM-killed (memory.low "
+           "then carries the request); in [0, 1)", "R", where=FILE),
+    Option("protection-headroom-min", "int", 8 * 1024 * 1024, _quantity,
+           "the headroom under a container's limit is at least this (quantity)", "Q", where=FILE),
     Option("audit-log", "str | None", "-", _optional_path,
            "audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is reopened on SIGHUP "
            "(logrotate's create mode)"),

@@ -62,7 +62,8 @@ def read_node(cfg: Config):
         log.warning("kubelet config: %s", problem)
     capacity = read_mem_total(cfg.meminfo)
     page = cfg.page_size or system_page_size()
-    node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor)
+    node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor,
+                      headroom_ratio=cfg.protection_headroom_ratio, headroom_min=cfg.protection_headroom_min)
     return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
 
 

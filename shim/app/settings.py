@@ -51,8 +51,16 @@ class Config:
     #: --policy: protection policy, named like the kubelet's memoryReservationPolicy: Hard
     #: (memory.min = request for every pod and container with one), Soft (memory.low = request for
     #: all), TieredReservation (Guaranteed: memory.min, Burstable: memory.low), None (no
-    #: memory.min/memory.low); any case
+    #: memory.min/memory.low); any case; a container's memory.min stays protection-headroom under
+    #: its limit
     policy: Policy = Policy.HARD
+    #: protection-headroom-ratio (config file only): a container's memory.min is at most its limit
+    #: minus max(limit x this, protection-headroom-min), so a pod at its memory.max can reclaim its
+    #: own page cache instead of being OOM-killed (memory.low then carries the request); in [0, 1)
+    protection_headroom_ratio: float = 0.1
+    #: protection-headroom-min (config file only): the headroom under a container's limit is at
+    #: least this (quantity)
+    protection_headroom_min: int = 8 * 1024 * 1024
     #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
     #: reopened on SIGHUP (logrotate's create mode)
     audit_log: str | None = "-"

@@ -12,6 +12,6 @@ from shim.decision.facts import (  # noqa: F401
     Request,
     RequestSource,
 )
-from shim.decision.memory import decide, memory_high, protection_key  # noqa: F401
+from shim.decision.memory import capped_min, decide, headroom, memory_high, protection_key  # noqa: F401
 from shim.decision.qos import parse_cgroup_parent, qos_class  # noqa: F401
 from shim.decision.request import oom_score_adj_bounds, resolve_request  # noqa: F401

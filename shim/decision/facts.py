@@ -56,6 +56,10 @@ class NodeFacts:
     allocatable: int  # capacity - kubeReserved - systemReserved, or --node-allocatable
     page_size: int
     factor: float | None  # memory throttling factor in (0, 1]; None = no memory.high
+    # a container's memory.min stays this far under its limit: max(ceil(limit * ratio), min)
+    # (docs/memory-qos.md, "Protection that never OOM-kills")
+    headroom_ratio: float = 0.1
+    headroom_min: int = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,32 @@ def protection_key(policy: Policy, qos: QoSClass) -> str | None:
     return "memory.min" if qos is QoSClass.GUARANTEED else "memory.low"  # TieredReservation
 
 
-def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, int], dict[str, str]]:
+NEVER_OOM = "docs/memory-qos.md#protection-that-never-oom-kills"
+
+
+def headroom(limit: int, ratio: float, floor: int) -> int:
+    """How far a container's memory.min stays under its limit: max(ceil(limit * ratio), floor),
+    in IEEE float64 like memory.high, never above the limit."""
+    return min(limit, max(math.ceil(float(limit) * ratio), floor))
+
+
+def capped_min(request: int, limit: int, node: NodeFacts) -> tuple[int, int]:
+    """(memory.min, headroom) for a container whose policy puts its request in memory.min:
+    min(request, limit - headroom(limit)), the capped value rounded down to a page, never below
+    0; no limit (0): the request, headroom 0. Below its limit by more than the pod's sandbox
+    uses, the container is above its memory.min whenever the pod is at its memory.max, so its
+    page cache stays reclaimable there (docs/memory-qos.md, "Protection that never OOM-kills")."""
+    if limit <= 0 or request <= 0:
+        return max(0, request), 0
+    room = headroom(limit, node.headroom_ratio, node.headroom_min)
+    if request <= limit - room:
+        return request, room
+    page = max(1, node.page_size)
+    return max(0, (limit - room) // page * page), room
+
+
+def _protection(policy: Policy, qos: QoSClass, req: Request, limit: int,
+                node: NodeFacts) -> tuple[dict[str, int], dict[str, str]]:
     keys: dict[str, int] = {}
     reasons: dict[str, str] = {}
     why = f"request {req.bytes} from {req.source.value}"
@@ -57,7 +82,32 @@ def _protection(policy: Policy, qos: QoSClass, req: Request) -> tuple[dict[str, 
         else:
             reasons[key] = f"{why} (policy {policy.value})"
             reasons[other] = f"not set: {key} protects this container"
+        if key == "memory.min":
+            _cap_min(keys, reasons, req, limit, node)
     return keys, reasons
+
+
+def _cap_min(keys: dict[str, int], reasons: dict[str, str], req: Request, limit: int, node: NodeFacts) -> None:
+    """memory.min capped under the limit; memory.low then carries the request (memory.low never
+    OOM-kills: the kernel reclaims below it when nothing else is left)."""
+    value, room = capped_min(req.bytes, limit, node)
+    if value >= req.bytes:
+        return
+    raw = limit - room
+    cap = (f"capped at limit {limit} - headroom {room} = {raw}"
+           + (f" -> {value}" if value != raw else "") + " so the pod can reclaim its own page cache "
+           f"({NEVER_OOM})")
+    keys["memory.low"] = req.bytes
+    if value > 0:
+        keys["memory.min"] = value
+        reasons["memory.min"] += f"; {cap}"
+        reasons["memory.low"] = (f"request {req.bytes}: memory.min is capped under the limit, memory.low "
+                                 f"protects the rest (memory.low never OOM-kills)")
+    else:
+        del keys["memory.min"]
+        reasons["memory.min"] = f"not set: {reasons['memory.min']}; {cap}: nothing left"
+        reasons["memory.low"] = (f"request {req.bytes}: memory.min capped to 0 under the limit, memory.low "
+                                 f"protects the container instead (memory.low never OOM-kills)")
 
 
 def _throttle(node: NodeFacts, qos: QoSClass, req: Request, limit: int) -> tuple[int | None, str]:
@@ -163,7 +213,7 @@ def decide(
             notes = notes or []
             notes.append(clamped)
             req = replace(req, bytes=clamped_bytes)
-    desired, reasons = _protection(policy, qos, req)
+    desired, reasons = _protection(policy, qos, req, limit, node)
     if clamped:
         for key in desired:
             reasons[key] += f" ({clamped})"

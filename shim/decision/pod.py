@@ -139,14 +139,14 @@ def _positive(raw: str | None) -> int | None:
 
 
 def request_from_unified(unified: Mapping[str, str]) -> int | None:
-    """The memory.min (else memory.low) the shim put in a container's unified map: the shim
-    writes its request there (policy request/tiered), creation and every update alike, and the
-    runtime reports the map back in ContainerStatus."""
-    for key in ("memory.min", "memory.low"):
-        v = _positive(unified.get(key))
-        if v is not None:
-            return v
-    return None
+    """The request the shim put in a container's unified map: the larger of memory.min and
+    memory.low. The shim writes the request in the file its policy protects with, creation and
+    every update alike; where it caps memory.min under the container's limit it puts the
+    request in memory.low (docs/memory-qos.md, "Protection that never OOM-kills"), so the capped
+    memory.min is never read as a lower request. The runtime reports the map back in
+    ContainerStatus."""
+    values = [v for v in (_positive(unified.get(k)) for k in ("memory.min", "memory.low")) if v is not None]
+    return max(values) if values else None
 
 
 def parse_annotation(annotations: Mapping[str, str]) -> dict | None:

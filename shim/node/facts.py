@@ -143,13 +143,17 @@ def node_facts(
     page_size: int,
     allocatable: int | None = None,
     factor: float | None | str = "auto",
+    headroom_ratio: float = 0.1,
+    headroom_min: int = 8 * 1024 * 1024,
 ) -> NodeFacts:
     """Combine the inputs. factor "auto": the kubelet's memoryThrottlingFactor when its
-    configuration sets one, else 0.9; None: no memory.high."""
+    configuration sets one, else 0.9; None: no memory.high. headroom_*: how far a container's
+    memory.min stays under its limit (settings protection-headroom-ratio / -min)."""
     if allocatable is None:
         allocatable = max(0, capacity - kubelet.kube_reserved - kubelet.system_reserved)
     if factor == "auto":
         factor = kubelet.memory_throttling_factor
         if factor is None:
             factor = DEFAULT_FACTOR
-    return NodeFacts(capacity=capacity, allocatable=allocatable, page_size=page_size, factor=factor)
+    return NodeFacts(capacity=capacity, allocatable=allocatable, page_size=page_size, factor=factor,
+                     headroom_ratio=headroom_ratio, headroom_min=headroom_min)

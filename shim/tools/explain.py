@@ -49,6 +49,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if page <= 0:
             raise ValueError("page size must be positive")
         policy = decision.Policy(args.policy)  # already checked by argparse
+        ratio = float(args.protection_headroom_ratio)
+        if not 0 <= ratio < 1:
+            raise ValueError(f"--protection-headroom-ratio must be in [0, 1), not {args.protection_headroom_ratio}")
+        floor = parse_bytes(args.protection_headroom_min)
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
@@ -65,7 +69,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         qos = decision.QoSClass.BESTEFFORT
     else:
         qos = decision.QoSClass.BURSTABLE
-    node = decision.NodeFacts(capacity=allocatable, allocatable=allocatable, page_size=page, factor=factor)
+    node = decision.NodeFacts(capacity=allocatable, allocatable=allocatable, page_size=page, factor=factor,
+                              headroom_ratio=ratio, headroom_min=floor)
     d = decision.decide(
         decision.PodFacts(cgroup_parent=_QOS_PARENTS[qos]),
         decision.ContainerFacts(name="explain", limit=limit),
@@ -82,6 +87,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "factor": factor,
         "page_size": page,
         "policy": policy.value,
+        "protection_headroom_ratio": ratio,
+        "protection_headroom_min": floor,
         "reasons": dict(d.reasons),
         **({"notes": list(d.notes)} if d.notes else {}),
     }
@@ -95,9 +102,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
         value = d.unified_after.get(key)
         shown = f"{value} ({format_bytes(int(value))})" if value is not None else "-"
         print(f"  {key:12} {shown:28} {d.reasons.get(key, '')}")
+    cap = _cap_line(d, request, limit, node)
+    if cap:
+        print(f"  cap: {cap}")
     for note in d.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _cap_line(d: decision.Decision, request: int, limit: int, node: decision.NodeFacts) -> str:
+    """Why a memory.min protecting the request is below it: the headroom under the limit."""
+    if request <= 0 or limit <= 0 or "memory.min" not in d.reasons or d.unified_after.get("memory.low") is None:
+        return ""
+    value, room = decision.capped_min(request, limit, node)
+    if value >= request:
+        return ""
+    return (f"memory.min = min(request {request}, limit {limit} - headroom {room}) rounded down to a page = {value}: "
+            f"headroom = max(ceil(limit x {node.headroom_ratio}), {node.headroom_min}); at the pod's memory.max "
+            f"the container then stays above its memory.min and its page cache stays reclaimable, where "
+            f"memory.min = request OOM-kills it (docs/memory-qos.md, \"Protection that never OOM-kills\"); "
+            f"memory.low = request keeps the rest protected without that risk")
 
 
 def _explain_plot(args: argparse.Namespace) -> int:
@@ -166,6 +190,9 @@ def register(sub) -> None:
                     help="QoS class (default: from request and limit)")
     ex.add_argument("--policy", default="Hard", type=_policy_arg, metavar="POLICY",
                     help="Hard (default), Soft, TieredReservation or None (any case)")
+    ex.add_argument("--protection-headroom-ratio", default="0.1", metavar="R",
+                    help="a container's memory.min stays max(limit x R, --protection-headroom-min) under its limit")
+    ex.add_argument("--protection-headroom-min", default="8Mi", metavar="Q", help="the least headroom (quantity)")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
     ex.add_argument("--plot", metavar="FILE.png",
