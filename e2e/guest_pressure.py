@@ -16,7 +16,13 @@ Scenarios (pressure_model sizes, MiB):
   and anon (128/128 holding 126);
 * node-pressure: holders of each QoS class (64 anon + 2 x 24 files each, touched and read in a
   loop), then a BestEffort aggressor grows until kubepods has room for the Guaranteed and
-  Burstable holders' files and half the BestEffort one's; the holders keep looping for a while.
+  Burstable holders' files and half the BestEffort one's; the holders loop on for a hold (20 s
+  quick, 30 s full) once the aggressor is done growing (or GROW s went by);
+* gap-wide, gap-narrow (full only): a Guaranteed holder beside a Burstable aggressor that wants
+  32 MiB more than its limit, request 32 limit 384 (memory.high 35 MiB under memory.max with the
+  factor 0.9) and request 240 limit 256 (1.6 MiB under): held at memory.high, or through to
+  memory.max. The shim's PSI guard, which would lift memory.high off the held one, is not run
+  here (it acts on containers the shim created through the runtime; see the guard scenario).
 
 Checks (report checks, scenario "pressure"): no OOM kill that the no-protection baseline does not
 have (every value set); under the shim's default values the Guaranteed and Burstable holders'
@@ -38,6 +44,7 @@ import pressure_outcome as O
 
 PODS_SET = {"quick": ("none", "shim"), "full": M.SETS}
 SAMPLE = 0.2  # s between samples
+GROW = 30.0  # s an aggressor may take to reach its target before the hold begins anyway
 FS_MIB = 400  # the ramdisk the files live on (its pages are guest memory outside every cgroup)
 
 
@@ -57,7 +64,7 @@ def scenarios(mode: str) -> list[dict]:
         {"name": "pagecache-multi", "allocatable": allocatable, "timeout": 300, "pods": [
             M.Pod("multi", "a0000003", (G("cache", 192 * MI, 192 * MI, ("write", 100, 10, 20, passes)),
                                     G("anon", 128 * MI, 128 * MI, ("hog", 126, 0))), "writer")]},
-        {"name": "node-pressure", "allocatable": allocatable, "hold": 20 if quick else 40, "timeout": 240, "pods": [
+        {"name": "node-pressure", "allocatable": allocatable, "hold": 20 if quick else 30, "timeout": 240, "pods": [
             M.Pod("guaranteed", "b0000001", (G("app", 128 * MI, 128 * MI, holder),)),
             M.Pod("burstable", "b0000002", (G("app", 128 * MI, 256 * MI, holder),)),
             M.Pod("besteffort", "b0000003", (G("app", 0, 0, holder),)),
@@ -66,7 +73,7 @@ def scenarios(mode: str) -> list[dict]:
         # an aggressor that wants 32 MiB more than its limit, beside a Guaranteed holder: with memory.high
         # (factor 0.9) a wide gap to memory.max (request 32, limit 384: 35 MiB) holds it at memory.high,
         # a narrow one (request 240, limit 256: 1.6 MiB) lets it through to memory.max
-        {"name": f"gap-{name}", "allocatable": allocatable, "hold": 30, "timeout": 240, "pods": [
+        {"name": f"gap-{name}", "allocatable": allocatable, "hold": 15, "timeout": 240, "pods": [
             M.Pod("guaranteed", f"c000000{i}", (G("app", 128 * MI, 128 * MI, holder),)),
             M.Pod("aggressor", f"c100000{i}", (G("app", req * MI, lim * MI, ("hog", lim + 32, 10)),), "aggressor")]}
         for i, (name, req, lim) in enumerate((("wide", 32, 384), ("narrow", 240, 256)))])
@@ -193,6 +200,12 @@ class PressureScenario:
                 pressure_t = round(time.time() - t0, 3)
                 for p in aggressors:
                     self.launch(p, tag, capacity, work)
+                # the hold begins once every aggressor is done growing, gone, or GROW seconds went by
+                grown = min(deadline, time.time() + GROW)
+                while time.time() < grown and any(
+                        proc.poll() is None and "hog: done" not in open(lg).read()
+                        for key, (proc, lg) in work.items() if key.split("/")[0] in {p.name for p in aggressors}):
+                    time.sleep(0.5)
                 end = min(deadline, time.time() + spec["hold"])
                 while time.time() < end:
                     time.sleep(0.5)
