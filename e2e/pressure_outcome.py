@@ -196,7 +196,10 @@ def render(out: str, png_dir: str) -> str:
     import json
     import os
 
-    with open(os.path.join(out, "report.json")) as f:
+    path = os.path.join(out, "report.json")
+    if not os.path.exists(path):  # a run cut short: the guest's report has the runs it finished
+        path = os.path.join(out, "report-guest.json")
+    with open(path) as f:
         report = json.load(f)
     runs = (report.get("pressure") or {}).get("runs", [])
     os.makedirs(png_dir, exist_ok=True)

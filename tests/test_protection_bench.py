@@ -158,3 +158,21 @@ def test_time_held_at_memory_high():
     r["pods"]["a"]["at_high_s"] = 12.4
     r["pods"]["a"]["role"] = "aggressor"
     assert O.outcome(r) == "a held at memory.high 12.4 s"
+
+
+def test_render_reads_the_report_and_the_samples(tmp_path):
+    """scripts/protection-bench's host side: the table of the report's runs, a PNG per scenario;
+    a run cut short (no report.json yet) is rendered from the guest's report."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    (tmp_path / "logs").mkdir()
+    runs = [run("none", be=(0, 900)), run("shim", be=(0, 10))]
+    (tmp_path / "report-guest.json").write_text(json.dumps({"pressure": {"runs": runs}}))
+    for r in runs:
+        with open(tmp_path / "logs" / f"pressure-s-{r['set']}.jsonl", "w") as f:
+            for s in SAMPLES:
+                f.write(json.dumps(s) + "\n")
+    text = O.render(str(tmp_path), str(tmp_path / "png"))
+    assert text == O.table(runs)
+    assert [p.name for p in (tmp_path / "png").iterdir()] == ["protection-s.png"]
