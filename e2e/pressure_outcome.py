@@ -133,14 +133,16 @@ def outcome(run: dict) -> str:
 
 def table(runs: list[dict]) -> str:
     """One markdown table: a row per (scenario, value set, pod)."""
-    head = ("| scenario | values | outcome | s | pod | QoS | peak MiB | min/low/high MiB | max events | "
+    head = ("| scenario | values | outcome | s | pod | QoS | peak MiB | pod min/low [container min/low/high] MiB | "
+            "max events | "
             "refault file | refault anon | major faults | pass p50/p99 ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         for i, (name, p) in enumerate(run["pods"].items()):
             lead = (f"| {run['scenario']} | {run['set']} | {outcome(run)} | {run.get('duration_s', 0):.1f} |"
                     if i == 0 else "| | | | |")
-            prot = "/".join(_mib(p.get(k)) if p.get(k) else "-" for k in ("min", "low", "high"))
+            prot = next((seg[len(name) + 1:] for seg in run.get("values", "").split("; ") if seg.startswith(name + " ")),
+                        "/".join(_mib(p.get(k)) if p.get(k) else "-" for k in ("min", "low", "high")))
             lines.append(f"{lead} {name} | {p.get('qos', '')} | {_mib(p.get('peak'))} | {prot} | "
                          f"{p.get('max_events', 0)} | {p.get('refault_file', 0)} | {p.get('refault_anon', 0)} | "
                          f"{p.get('pgmajfault', 0)} | {_ms(p.get('p50_ms'))}/{_ms(p.get('p99_ms'))} |")

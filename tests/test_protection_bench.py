@@ -128,11 +128,12 @@ def test_outcome_checks():
 
 
 def test_table_has_a_row_per_pod_and_the_outcome():
-    text = O.table([run("none", g=(0, 1000), b=(0, 800)), run("shim", g=(1, 5), b=(0, 80))])
+    shim = dict(run("shim", g=(1, 5), b=(0, 80)), values="kubepods min 256 low -; g 256/- [app 230.398/256/-]")
+    text = O.table([run("none", g=(0, 1000), b=(0, 800)), shim])
     lines = text.splitlines()
     assert len(lines) == 2 + 4
-    assert lines[2].startswith("| s | none | completed | 5.0 | g |")
-    assert "g OOM-killed (1)" in lines[4] and "| 256/-/- |" in lines[4] and "| 12/80 |" in lines[4]
+    assert lines[2].startswith("| s | none | completed | 5.0 | g |") and "| 256/-/- |" in lines[2]
+    assert "g OOM-killed (1)" in lines[4] and "| 256/- [app 230.398/256/-] |" in lines[4] and "| 12/80 |" in lines[4]
     assert len({line.count("|") for line in lines}) == 1
 
 
