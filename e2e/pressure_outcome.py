@@ -118,16 +118,15 @@ def _ms(x) -> str:
 
 
 def outcome(run: dict) -> str:
-    parts = []
-    for name, p in run["pods"].items():
-        if p.get("oom_kill"):
-            parts.append(f"{name} OOM-killed ({p['oom_kill']})")
-        elif p.get("at_high_s", 0) >= 5:
-            parts.append(f"{name} held at memory.high {p['at_high_s']:g} s")
+    """The run in a few words: who was OOM-killed, whether the page-cache writers completed, who
+    was held at memory.high (5 s or more)."""
+    parts = [f"{name} OOM-killed ({p['oom_kill']})" for name, p in run["pods"].items() if p.get("oom_kill")]
+    writers = [p for p in run["pods"].values() if p.get("role") == "writer"]
     if not parts:
-        writers = [p for p in run["pods"].values() if p.get("role") == "writer"]
         parts.append("completed" if writers and all(p.get("completed") for p in writers) else
                      ("no OOM kill" if not writers else "did not complete"))
+    parts += [f"{name} held at memory.high {p['at_high_s']:g} s" for name, p in run["pods"].items()
+              if not p.get("oom_kill") and p.get("at_high_s", 0) >= 5]
     return "; ".join(parts)
 
 

@@ -158,7 +158,9 @@ def test_time_held_at_memory_high():
     r = run("kubelet", a=(0, 0))
     r["pods"]["a"]["at_high_s"] = 12.4
     r["pods"]["a"]["role"] = "aggressor"
-    assert O.outcome(r) == "a held at memory.high 12.4 s"
+    assert O.outcome(r) == "no OOM kill; a held at memory.high 12.4 s"
+    r["pods"]["a"]["role"] = "writer"
+    assert O.outcome(r) == "completed; a held at memory.high 12.4 s"
 
 
 def test_render_reads_the_report_and_the_samples(tmp_path):
