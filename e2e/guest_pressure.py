@@ -25,9 +25,10 @@ Scenarios (pressure_model sizes, MiB):
   here (it acts on containers the shim created through the runtime; see the guard scenario).
 
 Checks (report checks, scenario "pressure"): no OOM kill that the no-protection baseline does not
-have (every value set of the shim's; the kubelet's outcome is in the table only); under the shim's default values the Guaranteed and Burstable holders'
-file refaults at most a tenth of the baseline's, and the BestEffort holder reclaimed no later than
-the Burstable one. No timing is asserted."""
+have (every value set of the shim's; the kubelet's outcome is in the table only); under the shim's
+default values the Guaranteed and Burstable holders' file refaults at most a tenth of the
+baseline's, and the BestEffort holder reclaimed no later than the Burstable one. No timing is
+asserted."""
 from __future__ import annotations
 
 import json
