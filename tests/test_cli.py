@@ -88,3 +88,38 @@ def test_config_precedence(tmp_path):
     assert c.factor is None and c.origin["factor"] == "flag"
     assert c.policy.value == "TieredReservation" and c.node_allocatable == 30 * 2**30
     assert c.listen == "unix:///run/memqos-shim/memqos-shim.sock" and c.origin["listen"] == "default"
+
+
+def test_explain_guaranteed_shows_the_capped_memory_min_and_why():
+    text = shim("explain", "--request", "256Mi", "--limit", "256Mi", "--page-size", "4096").stdout
+    assert "memory.min   241590272" in text and "memory.low   268435456" in text
+    assert "capped at limit 268435456 - headroom 26843546 = 241591910 -> 241590272" in text
+    cap = next(line for line in text.splitlines() if line.strip().startswith("cap:"))
+    assert "min(request 268435456, limit 268435456 - headroom 26843546)" in cap and "= 241590272" in cap
+    doc = json.loads(shim("explain", "--request", "256Mi", "--limit", "256Mi", "--page-size", "4096",
+                          "--json").stdout)
+    assert doc["unified"] == {"memory.min": "241590272", "memory.low": "268435456"}
+    assert doc["protection_headroom_ratio"] == 0.1 and doc["protection_headroom_min"] == 8 * Mi
+    # far enough under the limit: the request as it is, no cap line
+    text = shim("explain", "--request", "128Mi", "--limit", "256Mi", "--page-size", "4096").stdout
+    assert "memory.min   134217728" in text and "cap:" not in text
+    # the headroom settings, and both 0: no cap
+    off = json.loads(shim("explain", "--request", "256Mi", "--limit", "256Mi", "--protection-headroom-ratio", "0",
+                          "--protection-headroom-min", "0", "--json").stdout)
+    assert off["unified"] == {"memory.min": "268435456"}
+    r = shim("explain", "--request", "1Mi", "--limit", "1Mi", "--protection-headroom-ratio", "1", check=False)
+    assert r.returncode == 2 and "--protection-headroom-ratio" in r.stderr
+
+
+@pytest.mark.parametrize("text,key", [
+    ("protection-headroom-ratio: 1\n", "protection-headroom-ratio"),
+    ("protection-headroom-ratio: -0.1\n", "protection-headroom-ratio"),
+    ("protection-headroom-ratio: lots\n", "protection-headroom-ratio"),
+    ("protection-headroom-min: -1\n", "protection-headroom-min"),
+])
+def test_serve_rejects_bad_protection_headroom(tmp_path, text, key):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    r = shim("serve", "--config", str(cfg), "--listen", str(tmp_path / "s.sock"), check=False)
+    assert r.returncode == 2 and key in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "s.sock").exists()

@@ -28,12 +28,22 @@ def test_gen_config_writes_the_doc(tmp_path):
 
 def _rows(text: str) -> list[str]:
     table = text.split(BEGIN_TABLE, 1)[1].split(END_TABLE, 1)[0]
-    return [line for line in table.splitlines() if line.startswith("| `--")]
+    return [line for line in table.splitlines() if line.startswith("| `") and not line.startswith("| flag")]
 
 
 def test_one_row_per_option_in_table_order():
-    names = [re.match(r"\| `--([\w-]+)`", row).group(1) for row in _rows(DOC.read_text(encoding="utf-8"))]
+    names = [re.match(r"\| `(?:--)?([\w-]+)`", row).group(1) for row in _rows(DOC.read_text(encoding="utf-8"))]
     assert names == [o.name for o in OPTIONS]
+
+
+def test_a_config_file_key_is_not_shown_as_a_flag():
+    rows = {re.match(r"\| `(?:--)?([\w-]+)`", r).group(1): r for r in _rows(DOC.read_text(encoding="utf-8"))}
+    for o in OPTIONS:
+        if o.where == "file":
+            assert rows[o.name].startswith(f"| `{o.name}` (config file only) |") and f"--{o.name}`" not in rows[o.name]
+        else:
+            assert rows[o.name].startswith(f"| `--{o.name}` / `{o.name}` |")
+    assert rows["max-connections"].startswith("| `max-connections` (config file only) |")
 
 
 def test_a_changed_table_changes_the_doc():
@@ -42,8 +52,8 @@ def test_a_changed_table_changes_the_doc():
                     for o in OPTIONS)
     changed += (Option("new-one", "int | None", 64 * 1024 * 1024, int, "a new setting", "Q"),)
     new = configuration_doc(text, changed)
-    rows = {re.match(r"\| `--([\w-]+)`", r).group(1): r for r in _rows(new)}
-    assert rows["guard-window"] == "| `--guard-window` / `guard-window` | `float` | `7` | seven \\| seconds |"
+    rows = {re.match(r"\| `(?:--)?([\w-]+)`", r).group(1): r for r in _rows(new)}
+    assert rows["guard-window"] == "| `guard-window` (config file only) | `float` | `7` | seven \\| seconds |"
     assert rows["new-one"] == "| `--new-one` / `new-one` | `int \\| None` | `64Mi` | a new setting |"
     # the prose around the table is kept
     assert new.split(BEGIN_TABLE)[0] == text.split(BEGIN_TABLE)[0]

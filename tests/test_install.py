@@ -129,7 +129,7 @@ def test_unit_never_stays_failed_and_starts_the_installed_shim():
 
 @pytest.mark.parametrize("name", ["memqos-shim.service", "memqos-shim-podman.service"])
 def test_descriptor_limit_holds_the_connection_limit(name):
-    """LimitNOFILE (or podman's --ulimit) holds --max-connections' default several times over."""
+    """LimitNOFILE (or podman's --ulimit) holds the max-connections key's default several times over."""
     text = (DEPLOY / name).read_text()
     if name.endswith("podman.service"):
         value = text.split("--ulimit nofile=", 1)[1].split(":", 1)[0]

@@ -298,6 +298,10 @@ OPTIONS: tuple[Option, ...] = (
            "then carries the request); in [0, 1)", "R", where=FILE),
     Option("protection-headroom-min", "int", 8 * 1024 * 1024, _quantity,
            "the headroom under a container's limit is at least this (quantity)", "Q", where=FILE),
+    Option("correct-kubelet-min", "bool", False, _bool,
+           "where the kubelet owns a container's memory.min (v1.36+, gate on, a memoryReservationPolicy) and "
+           "sends one, lower it under the limit by the protection-headroom rule (never raised; the kubelet's "
+           "memory.low and memory.high untouched); false forwards the kubelet's value as sent", where=FILE),
     Option("audit-log", "str | None", "-", _optional_path,
            "audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is reopened on SIGHUP "
            "(logrotate's create mode)"),
@@ -315,9 +319,15 @@ OPTIONS: tuple[Option, ...] = (
            "page size for rounding memory.high; default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
     Option("max-connections", "int", 128, _positive_int,
-           "kubelet connections the relay serves at once (the kubelet keeps one or two, "
-           "crictl and doctor add one each while they run); a connection beyond it is sent GOAWAY and closed at "
-           "once, the open ones are served", "N", where=FILE),
+           "connections the relay serves at once (the kubelet keeps one or two, crictl and doctor add one each "
+           "while they run); at the limit the idle connection quiet longest (no open stream; of the process "
+           "holding the most connections first) is sent GOAWAY and closed for the new one, which is refused only "
+           "when every open connection has a call in flight; counted in memqos_transport_connections_shed_total",
+           "N", where=FILE),
+    Option("max-connections-per-peer", "int", 64, _positive_int,
+           "connections the relay serves at once from one process (its pid, from the socket's peer credentials); "
+           "beyond it that process's idle connection quiet longest is sent GOAWAY and closed for its new one, "
+           "which is refused only when all of that process's connections have a call in flight", "N", where=FILE),
     Option("socket-mode", "int | None", None, _octal_mode,
            "socket mode (octal); default 0600, or 0660 with --socket-group", where=FILE),
     Option("h2-max-header-block", "int", 1024 * 1024, _quantity,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shim.app.config import OPTIONS, Option
+from shim.app.config import FLAG, OPTIONS, Option
 from shim.decision import Policy
 
 BEGIN_TABLE = "<!-- the table below is generated from OPTIONS (shim/app/config.py) by scripts/gen-config: begin -->\n"
@@ -44,10 +44,15 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def setting_cell(o: Option) -> str:
+    """`--name` / `name` for a flag that is a config-file key too; `name` (config file only)."""
+    return f"`--{o.name}` / `{o.name}`" if o.where == FLAG else f"`{o.name}` (config file only)"
+
+
 def table_rows(options: tuple[Option, ...] = OPTIONS) -> list[str]:
     rows = ["| flag / YAML key | type | default | meaning |", "|---|---|---|---|"]
     for o in options:
-        rows.append(f"| `--{o.name}` / `{o.name}` | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
+        rows.append(f"| {setting_cell(o)} | `{_cell(o.type)}` | {default_text(o)} | {_cell(o.help)} |")
     return rows
 
 

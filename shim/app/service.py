@@ -63,7 +63,8 @@ def read_node(cfg: Config):
     capacity = read_mem_total(cfg.meminfo)
     page = cfg.page_size or system_page_size()
     node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor,
-                      headroom_ratio=cfg.protection_headroom_ratio, headroom_min=cfg.protection_headroom_min)
+                      headroom_ratio=cfg.protection_headroom_ratio, headroom_min=cfg.protection_headroom_min,
+                      correct_kubelet_min=cfg.correct_kubelet_min)
     return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
 
 
@@ -118,7 +119,8 @@ def protobuf_backend() -> str:
 
 class Service:
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
-                 recorder=None, reconciler=None, monitor=None, metrics=None, *, version_pending: bool = False):
+                 recorder=None, reconciler=None, monitor=None, metrics=None, *, version_pending: bool = False,
+                 update_follower=None):
         self.cfg = cfg
         self.node = node
         self.kubelet = kubelet
@@ -136,6 +138,11 @@ class Service:
             # the removals are parsed on the reconciler's thread, which tells the rewriter
             container_qos.forget_from_calls = False
             reconciler.removal_listeners.append(container_qos.forget)
+        # shim.guard.update_follow.UpdateFollower: writes a container's memory.* values after an
+        # update on a runtime that leaves unified out of updates (CRI-O before 1.36)
+        self.update_follower = update_follower
+        if update_follower is not None:
+            self.hooks.observers.append(update_follower)
         # shim.guard.monitor.Monitor: samples containers' memory.* files, runs the memory.high guard
         self.monitor = monitor
         # --kubelet-version auto: shim.node.kubelet_version.KubeletVersionWatcher, started after the socket
@@ -201,6 +208,12 @@ class Service:
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler,
                                 rollout=rollout) if v2 else None
+        follower = None
+        if v2:
+            from shim.guard.update_follow import UpdateFollower
+
+            follower = UpdateFollower(cgroup_root=cfg.cgroup_root, kubelet=kubelet, emit=audit.emit,
+                                      container_qos=qos, page_size=page, reconciler=reconciler, rollout=rollout)
         metrics = None
         if cfg.metrics_address:  # prometheus_client costs ~2.5 MiB of RSS: only when used
             from shim.evidence.metrics import build_metrics
@@ -208,7 +221,7 @@ class Service:
             metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder,
                                     rollout=rollout)
         return cls(cfg, node, kubelet, audit, qos, recorder=recorder, reconciler=reconciler,
-                   monitor=monitor, metrics=metrics, version_pending=pending)
+                   monitor=monitor, metrics=metrics, version_pending=pending, update_follower=follower)
 
     async def start(self) -> None:
         mode = self.cfg.socket_mode or (0o660 if self.cfg.socket_group else 0o600)
@@ -227,7 +240,8 @@ class Service:
                           idle_timeout=cfg.h2_idle_timeout)
         self.proxy = RelayProxy(cfg.listen, cfg.upstream, self.hooks, methods=CRI_METHODS,
                                 socket_mode=mode, socket_group=cfg.socket_group, limits=limits,
-                                max_connections=cfg.max_connections)
+                                max_connections=cfg.max_connections,
+                                max_connections_per_peer=cfg.max_connections_per_peer)
         if self.metrics is not None:
             self.metrics.attach(relay=self.proxy)  # its limit_hits
         factory = uvloop_factory()  # the relay's cost is mostly event-loop work: run it on uvloop

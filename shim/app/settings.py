@@ -61,6 +61,11 @@ class Config:
     #: protection-headroom-min (config file only): the headroom under a container's limit is at
     #: least this (quantity)
     protection_headroom_min: int = 8 * 1024 * 1024
+    #: correct-kubelet-min (config file only): where the kubelet owns a container's memory.min
+    #: (v1.36+, gate on, a memoryReservationPolicy) and sends one, lower it under the limit by the
+    #: protection-headroom rule (never raised; the kubelet's memory.low and memory.high untouched);
+    #: false forwards the kubelet's value as sent
+    correct_kubelet_min: bool = False
     #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
     #: reopened on SIGHUP (logrotate's create mode)
     audit_log: str | None = "-"
@@ -80,10 +85,17 @@ class Config:
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)
     socket_group: str | None = None
-    #: max-connections (config file only): kubelet connections the relay serves at once (the kubelet
-    #: keeps one or two, crictl and doctor add one each while they run); a connection beyond it is
-    #: sent GOAWAY and closed at once, the open ones are served
+    #: max-connections (config file only): connections the relay serves at once (the kubelet keeps
+    #: one or two, crictl and doctor add one each while they run); at the limit the idle connection
+    #: quiet longest (no open stream; of the process holding the most connections first) is sent
+    #: GOAWAY and closed for the new one, which is refused only when every open connection has a
+    #: call in flight; counted in memqos_transport_connections_shed_total
     max_connections: int = 128
+    #: max-connections-per-peer (config file only): connections the relay serves at once from one
+    #: process (its pid, from the socket's peer credentials); beyond it that process's idle
+    #: connection quiet longest is sent GOAWAY and closed for its new one, which is refused only
+    #: when all of that process's connections have a call in flight
+    max_connections_per_peer: int = 64
     #: socket-mode (config file only): socket mode (octal); default 0600, or 0660 with --socket-
     #: group
     socket_mode: int | None = None

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 from shim.container.rewriter import ContainerMemoryQoS, KnownContainer, container_note
 from shim.decision import OWNED_KEYS, Decision, NodeFacts, Policy, QoSClass, Request, RequestSource, decide
-from shim.decision.memory import NEUTRAL
+from shim.decision.memory import NEUTRAL, kernel_values
 from shim.decision.pod import CONTAINER_ANNOTATION, parse_annotation
 from shim.effects.rollout import Rollout, tag
 from shim.nri import api_pb2 as pb
@@ -148,7 +149,9 @@ class NriMemoryQoS(Handler):
         if annotations.get(CONTAINER_ANNOTATION) != note:
             adjust.annotations[CONTAINER_ANNOTATION] = note
         self.containers[container.id] = KnownContainer(container.pod_sandbox_id or pod.id, container.name, facts,
-                                                       decision.qos, decision.request)
+                                                       decision.qos, decision.request,
+                                                       MappingProxyType(kernel_values(decision, owns)),
+                                                       max(0, decision.limit))
         self._emit(tag({**self._base(method, pod, container), **qos.describe(decision, owns),
                         "event": "rewrite" if keys else "unchanged", "adjust": keys,
                         **({"handler_us": (self._clock() - start) // 1000} if start is not None else {})},
@@ -186,6 +189,11 @@ class NriMemoryQoS(Handler):
         decision = decide(nf.pod_facts(pod, container), facts, qos.node, qos.policy, override, reset_absent=True,
                           kubelet_owns=owns)
         keys = adjustment_keys(decision, owns)
+        if known is not None and not observe and not (known.limit > 0 and facts.limit <= 0):
+            # what the cgroup is to hold once the runtime applied it (not from an update without the
+            # container's memory limit: the runtime keeps the limit)
+            self.containers[container.id] = known._replace(unified=MappingProxyType(kernel_values(decision, owns)),
+                                                           limit=max(0, facts.limit))
         self._emit(tag({**self._base("UpdateContainer", pod, container), **qos.describe(decision, owns),
                         "event": "rewrite" if keys else "unchanged", "adjust": keys,
                         **({"request_remembered": True} if known is not None and override is known.request else {})},

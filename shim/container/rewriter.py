@@ -16,7 +16,7 @@ import time
 from functools import partial
 from json.encoder import encode_basestring_ascii as _json_string
 from types import MappingProxyType
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from shim.cri import pb
 from shim.cri.events import ContainerRemoved, PodSandboxRemoved, call_event, created_container_id
@@ -24,6 +24,7 @@ from shim.cri.facts import container_facts, pod_facts
 from shim.cri.methods import CREATE_CONTAINER, REMOVE_CONTAINER, REMOVE_POD_SANDBOX, UPDATE_CONTAINER_RESOURCES
 from shim.decision import Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.cri.rewritten import Rewritten
+from shim.decision.memory import kernel_values
 from shim.decision.pod import CONTAINER_ANNOTATION
 from shim.effects.rollout import OBSERVE, Rollout
 from shim.transport.hooks import RpcCall
@@ -42,6 +43,17 @@ class KnownContainer(NamedTuple):
     pod: PodFacts
     qos: QoSClass
     request: Request
+    # the shim's memory.* keys as the container's cgroup holds them once the runtime applied the
+    # last decision it answered OK for (creation, then each UpdateContainerResources); the
+    # monitor reports a cgroup that holds something else
+    unified: Mapping[str, str] = MappingProxyType({})
+    limit: int = 0  # the memory limit in force (0: none), from creation and updates that carry one
+
+
+def without_limit(update: Any, known: KnownContainer | None) -> bool:
+    """Whether an UpdateContainerResources leaves out the memory limit of a container known to
+    have one (the runtime keeps the limit in force: a zero field changes nothing)."""
+    return known is not None and known.limit > 0 and update.linux.memory_limit_in_bytes <= 0
 
 
 def _create_base(pod: PodFacts, name: str, sandbox_id: str) -> dict:
@@ -233,6 +245,9 @@ class ContainerMemoryQoS:
                 record["container_id"] = note.container_id
             record["time"] = call.start + call.duration_ms / 1000.0
             self._emit(record)
+            if method == UPDATE_CONTAINER_RESOURCES and code == "OK" and note.decision is not None \
+                    and record.get("rollout") != OBSERVE:
+                self._updated(note)
         elif (method == REMOVE_CONTAINER or method == REMOVE_POD_SANDBOX) and call.code == "OK" \
                 and self.forget_from_calls:  # (no reconciler to tell it)
             try:
@@ -241,6 +256,19 @@ class ContainerMemoryQoS:
                 return
             if event is not None:
                 self.forget(event)
+
+    def _updated(self, note: Rewritten) -> None:
+        """The runtime answered OK to an update: the container's cgroup is to hold its decision
+        (not for an update without a memory limit of a container that has one, such as the CPU
+        manager's cpuset-only update: the runtime keeps the limit, and a decision made without it
+        is not the container's)."""
+        cid = note.parsed.container_id if note.parsed is not None else ""
+        known = self.containers.get(cid)
+        if known is None or without_limit(note.parsed, known):
+            return
+        values = kernel_values(note.decision, self.kubelet_keys)
+        self.containers[cid] = known._replace(unified=MappingProxyType(values),
+                                              limit=max(0, note.parsed.linux.memory_limit_in_bytes))
 
     def forget(self, event: ContainerRemoved | PodSandboxRemoved) -> None:
         """A container or a sandbox was removed: its containers leave the memory (any thread:
@@ -268,7 +296,8 @@ class ContainerMemoryQoS:
         resources = config.linux.resources
         owns = self.kubelet_keys
         decision = decide(pod, container_facts(name, resources), self.node, self.policy, kubelet_owns=owns)
-        memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request)
+        memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request,
+                              MappingProxyType(kernel_values(decision, owns)), max(0, decision.limit))
         lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               pod.cgroup_parent)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from shim.cri import pb
 from shim.decision import ContainerFacts, PodFacts
 from shim.decision.pod import derive_request
+from shim.decision.runtime import Runtime
 
 
 def pod_facts(sandbox_config: Any) -> PodFacts:
@@ -51,3 +53,15 @@ def pod_overhead(linux: Any) -> int:
 def derived_request(pod: PodFacts, name: str, resources: Any, capacity: int) -> tuple[int, str]:
     """``shim.decision.pod.derive_request`` of a container's LinuxContainerResources."""
     return derive_request(pod, observed_container_facts(name, resources), capacity)
+
+
+def version_runtime(response: bytes) -> Runtime | None:
+    """The runtime a CRI Version answer names; None for an answer that does not parse or names
+    no runtime."""
+    try:
+        msg = pb.VersionResponse.FromString(response)
+    except Exception:  # noqa: BLE001 - a runtime answering garbage
+        return None
+    if not msg.runtime_name:
+        return None
+    return Runtime(msg.runtime_name[:100], msg.runtime_version[:100])

@@ -60,6 +60,8 @@ class NodeFacts:
     # (docs/memory-qos.md, "Protection that never OOM-kills")
     headroom_ratio: float = 0.1
     headroom_min: int = 8 * 1024 * 1024
+    # where the kubelet owns a container's memory.min, lower the value it sent by the same rule
+    correct_kubelet_min: bool = False
 
 
 @dataclass(frozen=True)

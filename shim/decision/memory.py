@@ -16,6 +16,14 @@ from shim.decision.request import resolve_request
 NEUTRAL = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
 
 
+def kernel_values(decision: Decision, kubelet_owns: Mapping[str, str]) -> dict[str, str]:
+    """What the container's cgroup holds once the runtime applied ``decision`` (created or
+    updated with its ``unified_after``), for the keys the shim owns: the value sent, or the
+    kernel's default for a key left out. Keys the kubelet owns are not the shim's to check."""
+    after = decision.unified_after
+    return {k: after.get(k, NEUTRAL[k]) for k in OWNED_KEYS if k not in kubelet_owns}
+
+
 def memory_high(request: int, ceiling: int, factor: float, page_size: int) -> int:
     """floor(req + (ceiling - req) * factor) in IEEE float64 like the kubelet, then
     rounded down to a whole page with integer arithmetic. ceiling is the limit, or
@@ -155,6 +163,26 @@ def _bounded_limit(node: NodeFacts, container: ContainerFacts, notes: list[str])
     return container, limit
 
 
+def _correct_kubelet_min(after: dict[str, str], reasons: dict[str, str], sent: str, limit: int,
+                         node: NodeFacts) -> None:
+    """Setting correct-kubelet-min: the kubelet's container memory.min (its request) lowered
+    under the limit by the rule of ``capped_min``; never raised, memory.low / memory.high
+    untouched."""
+    raw = after.get("memory.min", "")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19):
+        return
+    value = int(raw)
+    capped, room = capped_min(value, limit, node)
+    if capped >= value:
+        return
+    after["memory.min"] = str(capped)
+    reasons["memory.min"] = (
+        f"kubelet's {sent!r} lowered to {capped} (correct-kubelet-min): capped at limit {limit} - headroom {room}"
+        f" = {limit - room}, rounded down to a page, so the pod can reclaim its own page cache ({NEVER_OOM}); "
+        + ("no memory.min is left under this limit; " if capped == 0 else "")
+        + f"before: {reasons['memory.min']}")
+
+
 def _kubelet_value(key: str, raw: str, node: NodeFacts) -> tuple[str, str]:
     """A value the kubelet owns, forwarded as sent unless it is a byte count above what the node
     has: memory.min / memory.low above allocatable are clamped to it, memory.high above the
@@ -233,6 +261,8 @@ def decide(
                     reasons[key] = f"{note} (the kubelet owns it: {kubelet_owns[key]})"
                 else:
                     reasons[key] = f"kubelet's {before[key]!r} kept: {kubelet_owns[key]}"
+                if key == "memory.min" and node.correct_kubelet_min:
+                    _correct_kubelet_min(after, reasons, before[key], limit, node)
             else:
                 reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
             continue

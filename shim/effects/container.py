@@ -1,5 +1,6 @@
 """Container-level cgroup files: the monitor's reads of memory.* and its writes (the guard's
-memory.high, proactive reclaim's memory.reclaim).
+memory.high, proactive reclaim's memory.reclaim), and the memory.min / memory.low / memory.high
+the shim writes after an update the runtime did not carry to the kernel (``settle``).
 
 Every path is walked like every other write (shim.effects.cgroupfs.CgroupTree): one component
 at a time with O_NOFOLLOW below the cgroup root, and strictly inside the allowed subtree (the
@@ -17,6 +18,7 @@ READ_FILES = ("memory.current", "memory.min", "memory.low", "memory.high", "memo
               "memory.events", "memory.pressure")
 RECLAIM_READ_FILES = READ_FILES + ("memory.stat",)  # what the monitor reads with reclaim on
 WRITE_FILES = frozenset({"memory.high"})
+SETTLE_FILES = ("memory.min", "memory.low", "memory.high")  # in this order
 _MAX_READ = 4096
 _MAX_READ_STAT = 16384  # memory.stat: ~50 lines on 6.x kernels
 
@@ -81,3 +83,40 @@ class ContainerCgroups(CgroupTree):
         finally:
             os.close(dfd)
 
+
+    def settle(self, rel: str, values: dict[str, str], page_size: int, *,
+               observe: bool | None = None) -> dict[str, tuple[str, str | None]]:
+        """Make memory.min / memory.low / memory.high of ``rel`` hold ``values`` (file -> "max" or
+        bytes): each file is read and written only when it holds something else (a byte count
+        compared as the kernel keeps it, rounded down to ``page_size``). Returns file -> (what it
+        held, what was written or None). ``observe`` (default: the rollout's mode): nothing is
+        written, the would-writes are returned. FileNotFoundError when the cgroup is gone; an
+        OSError of one file stops there (files written before it stay written)."""
+        if observe is None:
+            observe = self.rollout.observe
+        for name, value in values.items():
+            if name not in SETTLE_FILES:
+                raise PathRefused(f"{name!r} is not a file the shim settles")
+            if value != "max" and not (value.isascii() and value.isdigit()):
+                raise ValueError(f"bad memory value {value!r}")
+        out: dict[str, tuple[str, str | None]] = {}
+        dfd = self._open_dir(self.check(rel))
+        try:
+            for name in SETTLE_FILES:
+                if name not in values:
+                    continue
+                value = values[name]
+                want = value if value == "max" else str(int(value) // page_size * page_size)
+                written: list[str] = []
+
+                def decide(old: str, value=value, want=want, written=written) -> str | None:
+                    if old == want or old == value:
+                        return None
+                    written.append(value)
+                    return None if observe else value
+
+                old = self._read_then_write(dfd, name, decide)
+                out[name] = (old, written[0] if written else None)
+        finally:
+            os.close(dfd)
+        return out

@@ -259,10 +259,17 @@ class _LiveCollector:
             yield g
             c = CounterMetricFamily(
                 "memqos_transport_connections_shed",
-                "connections sent GOAWAY and closed at once: beyond max-connections (limit), or for want of "
-                "a file descriptor for the kubelet's side or the runtime's (descriptors)", labels=("reason",))
+                "connections sent GOAWAY and closed: a new one at max-connections with no open one idle "
+                "(limit), at its process's max-connections-per-peer likewise (peer_limit), for want of a file "
+                "descriptor for the kubelet's side or the runtime's (descriptors); an idle open one for a new "
+                "one at max-connections (idle), at its process's max-connections-per-peer (peer_idle)",
+                labels=("reason",))
             c.add_metric(["limit"], float(t.shed_limit))
             c.add_metric(["descriptors"], float(t.shed_descriptors))
+            for reason in ("peer_limit", "idle", "peer_idle"):
+                counted = getattr(t, f"shed_{reason}", None)
+                if counted is not None:
+                    c.add_metric([reason], float(counted))
             yield c
         if getattr(t, "upstream_failures", None) is not None:
             c = CounterMetricFamily("memqos_transport_upstream_unreachable",
@@ -328,6 +335,13 @@ class Metrics:
         self.cgroup_refusals = Counter("memqos_cgroup_refusals", "cgroup paths refused (outside the tree, symlink, ...)",
                                        ("by",), registry=r)
         self.reconciler_errors = Counter("memqos_reconciler_errors", "reconciler errors (audited)", registry=r)
+        self.update_write_errors = Counter(
+            "memqos_update_write_errors",
+            "updates after which the container's memory.* values could not be written (audit update-write-error)",
+            registry=r)
+        self.kernel_mismatches = Counter(
+            "memqos_kernel_mismatches",
+            "containers found holding other memory.* values than decided (audit kernel-mismatch)", registry=r)
         self.systemd_bus_unreachable = Counter(
             "memqos_systemd_bus_unreachable",
             "times the system bus stopped answering the systemd writer (audit systemd-bus state down)", registry=r)
@@ -417,6 +431,15 @@ class Metrics:
                 self.cgroup_writes.labels("container", "memory.reclaim").inc(writes)
         elif event == "reconciler-error":
             self.reconciler_errors.inc()
+        elif event == "update-write":
+            written = record.get("written")
+            if isinstance(written, dict) and record.get("rollout") != "observe":
+                for file in written:
+                    self.cgroup_writes.labels("container", str(file)).inc()
+        elif event == "update-write-error":
+            self.update_write_errors.inc()
+        elif event == "kernel-mismatch":
+            self.kernel_mismatches.inc()
         elif event == "systemd-bus" and record.get("state") == "down":
             self.systemd_bus_unreachable.inc()
         elif isinstance(event, str) and event.startswith("guard-"):

@@ -6,12 +6,8 @@ Nothing here is on the CRI path. Which containers: the ones the shim rewrote sin
 state (rebuilt from the runtime at start, so containers created before a restart are watched
 too). Their cgroup directory is built, never taken as is, from request data:
 
-* the pod directory from the pod's cgroup_parent and uid through ``CgroupLayout.pod_from_parent``
-  (the reconciler's validation: the parent must be exactly where the kubelet's driver puts that
-  pod);
-* the container directory below it from the runtime's naming: cgroupfs ``<pod>/<id>``
-  (containerd) or ``<pod>/crio-<id>`` (CRI-O); systemd ``<pod>/cri-containerd-<id>.scope`` or
-  ``<pod>/crio-<id>.scope`` -- whichever exists. The id must look like an id.
+the pod directory from the pod's cgroup_parent and uid (the reconciler's validation), the
+container directory below it from the runtime's naming (containerd's or CRI-O's): shim.guard.locate.
 
 Every path is walked one component at a time with O_NOFOLLOW below the cgroup root and must lie
 in the kubepods subtree: a symlink, ``..`` or anything outside is refused (and audited once).
@@ -36,9 +32,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Callable, Iterable
 
 from shim.decision import reclaim as rc
@@ -55,18 +51,17 @@ from shim.decision.guard import (
 )
 from shim.effects.cgroupfs import PathRefused
 from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups
-from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
+from shim.effects.layout import CgroupLayout
 from shim.effects.rollout import OBSERVE
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
+from shim.guard.locate import container_dir, node_layout
 from shim.guard.reclaim import TOTALS, ReclaimRunner
+from shim.guard.update_follow import KernelCheck
 from shim.guard.sampling import ContainerRef, MonitorSnapshot, Reading, reading_from
-from shim.node.facts import KubeletFacts, is_cgroup_v2
+from shim.node.facts import KubeletFacts
 from shim.worker import Probe, Worker
 
 log = logging.getLogger(__name__)
-
-_ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
-
 
 # -- containers ------------------------------------------------------------------------
 def refs_from_container_qos(container_qos) -> list[ContainerRef]:
@@ -104,6 +99,7 @@ class Monitor(Worker):
         reclaim_audit_interval: float = 60.0,
         page_size: int | None = None,
         rollout=None,
+        expected: Callable[[str], object] | None = None,
     ):
         super().__init__("memqos-monitor", logger=log, label="monitor")
         self.cgroup_root = cgroup_root
@@ -139,6 +135,9 @@ class Monitor(Worker):
         self.reclaim = reclaim
         self.reclaim_audit_interval = reclaim_audit_interval
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
+        # expected(container id): the memory.* values its cgroup is to hold (None: not known);
+        # a cgroup holding others is reported (shim.guard.update_follow.KernelCheck)
+        self.kernel_check = KernelCheck(expected, emit, self.page_size) if expected is not None else None
         self.reclaimer = (ReclaimRunner(reclaim, self.fs, emit, self._error, self.page_size, reclaim_audit_interval)
                           if reclaim is not None else None)
 
@@ -170,18 +169,12 @@ class Monitor(Worker):
     # -- one round
     def _layout(self) -> str | None:
         """None when ready, else why the monitor is idle."""
-        if not is_cgroup_v2(self.cgroup_root):
-            return f"{self.cgroup_root} is not cgroup v2: nothing to sample"
-        k = self.kubelet
-        driver = k.cgroup_driver if k.source else detect_driver(self.cgroup_root, k.cgroup_root)
-        if driver is None:
-            return f"no kubepods cgroup under {self.cgroup_root} yet"
-        if self.layout is None or self.layout.driver != driver:
-            try:
-                self.layout = CgroupLayout(driver, k.cgroup_root)
-            except (ValueError, PathRefused) as e:
-                return str(e)
-            self.fs.set_allowed([self.layout.kubepods])
+        layout, why = node_layout(self.cgroup_root, self.kubelet, self.layout)
+        if layout is None:
+            return why
+        if layout is not self.layout:
+            self.layout = layout
+            self.fs.set_allowed([layout.kubepods])
             self._paths.clear()
         return None
 
@@ -209,20 +202,10 @@ class Monitor(Worker):
         cached = self._paths.get(ref.id)
         if cached is not None:
             return cached
-        if not _ID.match(ref.id or ""):
-            raise PathRefused(f"container id {ref.id[:80]!r} is not an id")
-        _, pod_path = self.layout.pod_from_parent(ref.cgroup_parent, ref.uid)
-        if self.layout.driver == SYSTEMD:
-            names = (f"cri-containerd-{ref.id}.scope", f"crio-{ref.id}.scope")
-        else:
-            names = (ref.id, f"crio-{ref.id}")
-        for name in names:
-            rel = f"{pod_path}/{name}"
-            self.fs.check(rel)
-            if self.fs.is_dir(rel):
-                self._paths[ref.id] = rel
-                return rel
-        return None
+        rel = container_dir(self.fs, self.layout, ref)
+        if rel is not None:
+            self._paths[ref.id] = rel
+        return rel
 
     def tick(self, now: float | None = None) -> list[tuple[ContainerRef, object]]:
         """Sample every container once and run the guard. Returns (ref, GuardDecision) for
@@ -276,7 +259,10 @@ class Monitor(Worker):
             decision = self._guard(ref, rel, reading, now)
             if decision is not None:
                 acted.append((ref, decision))
-            reading.relaxed = self._states.get(ref.id, GuardState()).mode == RELAXED
+            mode = self._states.get(ref.id, GuardState()).mode
+            reading.relaxed = mode == RELAXED
+            if self.kernel_check is not None and not self.fs.rollout.observe:
+                self.kernel_check.check(ref, reading.path, files, skip_high=mode != WATCH)
             if self.reclaimer is not None:
                 try:
                     self.reclaimer.run(ref, rel, reading, files.get("memory.stat"), now)
@@ -293,6 +279,8 @@ class Monitor(Worker):
                 self._observed.pop(cid, None)
             if self.reclaimer is not None:
                 self.reclaimer.forget(alive, now)
+            if self.kernel_check is not None:
+                self.kernel_check.forget(alive)
             self._last_ref = {r.id: r for r in refs
                               if r.id in alive and self._states.get(r.id, GuardState()).mode != WATCH}
             self._save_episodes()
@@ -479,15 +467,25 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
             log.warning("--reclaim true has no effect with --monitor-interval 0: the monitor runs the reclaim")
         return None
     sources = []
+    expected = None
     if container_qos is not None:
         sources.append(lambda: refs_from_container_qos(container_qos))
+        expected = partial(known_values, container_qos)
     if reconciler is not None:
         sources.append(lambda: refs_from_reconciler(reconciler))
     guard = guard_for_ownership(cfg, getattr(container_qos, "ownership", None))
     return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
                    emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
                    reclaim=reclaim_config(cfg),
-                   reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout)
+                   reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout,
+                   page_size=cfg.page_size or None, expected=expected)
+
+
+def known_values(container_qos, cid: str):
+    """The memory.* values the rewriter's last decision for the container put in force (None:
+    a container it did not see created)."""
+    known = container_qos.containers.get(cid)
+    return known.unified if known is not None else None
 
 
 def guard_for_ownership(cfg, owners) -> GuardConfig:

@@ -145,6 +145,7 @@ def node_facts(
     factor: float | None | str = "auto",
     headroom_ratio: float = 0.1,
     headroom_min: int = 8 * 1024 * 1024,
+    correct_kubelet_min: bool = False,
 ) -> NodeFacts:
     """Combine the inputs. factor "auto": the kubelet's memoryThrottlingFactor when its
     configuration sets one, else 0.9; None: no memory.high. headroom_*: how far a container's
@@ -156,4 +157,5 @@ def node_facts(
         if factor is None:
             factor = DEFAULT_FACTOR
     return NodeFacts(capacity=capacity, allocatable=allocatable, page_size=page_size, factor=factor,
-                     headroom_ratio=headroom_ratio, headroom_min=headroom_min)
+                     headroom_ratio=headroom_ratio, headroom_min=headroom_min,
+                     correct_kubelet_min=correct_kubelet_min)

@@ -281,6 +281,9 @@ class NodeState:
             self.add_sandbox(pod, SandboxRecord(sid, uid, True, 0, facts.cgroup_parent, e.overhead))
         b, src, note = container_request(e.unified, e.annotations,
                                          lambda: derive_request(facts, e.kubelet, self.capacity))
+        sent = request_from_unified(e.kubelet.unified)
+        if src == "unified" and sent is not None and sent > b:  # a kubelet's memory.min the shim lowered
+            b, src = sent, "kubelet-unified"                    # (correct-kubelet-min) still states the request
         self.add_container(pod, ContainerRecord(
             id=e.container_id, sandbox_id=sid, name=e.name, attempt=e.attempt,
             request=b, source=src, create_start=e.start_ns, exists_at=e.done_ns,
@@ -295,9 +298,9 @@ class NodeState:
             return False, None
         v = request_from_unified(e.unified)
         src = "update:unified"
-        if v is None:
-            v = request_from_unified(e.kubelet_unified)
-            src = "update:kubelet-unified"
+        sent = request_from_unified(e.kubelet_unified)
+        if sent is not None and (v is None or sent > v):  # none sent, or the kubelet's lowered (correct-kubelet-min)
+            v, src = sent, "update:kubelet-unified"
         pod = self.pods[self.container_pod[c.id]]
         if v is None and pod.qos is QoSClass.GUARANTEED and e.limit > 0:
             v, src = e.limit, "update:guaranteed-limit"

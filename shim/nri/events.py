@@ -7,7 +7,10 @@ of 0 means "every valid event" to the runtime, so it is never sent.
 
 The version comes from ConfigureRequest.NRI_version (sent from NRI v0.12 on), else from the
 runtime's name and version through the tables below (which NRI release each containerd and
-CRI-O release ships, from their go.mod files), else it is taken to be the oldest one.
+CRI-O release ships, from their go.mod files), else it is taken to be the oldest one. What each
+of those releases does with ``unified`` on each path (CreateContainer adjustments, UpdateContainer
+replies, Synchronize updates) is the table of docs/nri-mode.md, "What the runtimes do with
+unified"; the switch the shim takes from it is shim.decision.runtime.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from memqos_dev.testing.fake_runtime.records import (
     Container,
     copy_message,
 )
-from memqos_dev.testing.fake_runtime.resources import apply_linux_resources, cgroups_path, oci_linux_resources
+from memqos_dev.testing.fake_runtime.resources import apply_linux_resources, cgroups_path, oci_linux_resources, write_cgroup
 from memqos_dev.testing.fake_runtime.state import RuntimeState
 
 
@@ -106,7 +106,7 @@ class ContainerCalls(RuntimeState):
             },
             "linux": {
                 "resources": oci_linux_resources(c.resources),
-                "cgroupsPath": cgroups_path(c.sandbox_config.linux.cgroup_parent, c.id),
+                "cgroupsPath": cgroups_path(c.sandbox_config.linux.cgroup_parent, c.id, self.cgroup_prefix),
             },
         }
         info = {
@@ -291,13 +291,22 @@ class ContainerCalls(RuntimeState):
         c = self._find_container(req.container_id, "failed to find container")
         if req.HasField("linux"):
             new = copy_message(c.resources)
+            linux = req.linux
+            if not self.update_unified:  # CRI-O before 1.36: toOCIResources leaves unified out
+                linux = copy_message(linux)
+                linux.ClearField("unified")
             apply_linux_resources(
-                new, req.linux, swap_controller=self.swap_controller, hugetlb_controller=self.hugetlb_controller
+                new, linux, swap_controller=self.swap_controller, hugetlb_controller=self.hugetlb_controller
             )
             c.resources = new
             if self.cgroup_root is not None and c.state == pb.CONTAINER_RUNNING:
                 try:
-                    self._write_cgroup(c, create=False)
+                    if self.update_unified:  # containerd: the task update carries the whole spec's resources
+                        self._write_cgroup(c, create=False)
+                    else:  # CRI-O < 1.36: runc update gets no unified and writes none of its keys
+                        applied = copy_message(new)
+                        applied.ClearField("unified")
+                        write_cgroup(self.cgroup_dir(c), applied, create=False)
                 except (ValueError, OSError) as e:
                     raise CriError(UNKNOWN, f"failed to update resources: {e}")
         c.update_requests.append(raw)

@@ -81,12 +81,19 @@ def oci_linux_resources(r: pb.LinuxContainerResources) -> dict[str, Any]:
     return out
 
 
-def cgroups_path(cgroup_parent: str, id: str) -> str:
-    """containerd's getCgroupsPath: ``slice:cri-containerd:id`` under a systemd slice, else a path."""
+KERNEL_DEFAULTS = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
+CONTAINERD_PREFIX = "cri-containerd"
+CRIO_PREFIX = "crio"
+
+
+def cgroups_path(cgroup_parent: str, id: str, prefix: str = CONTAINERD_PREFIX) -> str:
+    """containerd's getCgroupsPath: ``slice:cri-containerd:id`` under a systemd slice, else a path
+    (``<parent>/<id>``). CRI-O (``prefix`` "crio") names the leaf ``crio-<id>`` on cgroupfs too."""
     base = posixpath.basename(cgroup_parent)
     if base.endswith(".slice"):
-        return f"{base}:cri-containerd:{id}"
-    return posixpath.join(cgroup_parent, id) if cgroup_parent else id
+        return f"{base}:{prefix}:{id}"
+    leaf = id if prefix == CONTAINERD_PREFIX else f"{prefix}-{id}"
+    return posixpath.join(cgroup_parent, leaf) if cgroup_parent else leaf
 
 
 def expand_slice(name: str) -> str:
@@ -102,13 +109,13 @@ def expand_slice(name: str) -> str:
     return "/".join("-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
 
 
-def container_cgroup(cgroup_parent: str, id: str, driver: str) -> str:
+def container_cgroup(cgroup_parent: str, id: str, driver: str, prefix: str = CONTAINERD_PREFIX) -> str:
     """Where runc puts a container's cgroup (relative to the cgroup v2 root), from containerd's
     cgroupsPath: with the systemd driver ``slice:cri-containerd:id`` becomes the scope
     ``cri-containerd-<id>.scope`` in the expanded slice (the kubelet may send the full slice
     path or the leaf slice alone: only the leaf counts); with cgroupfs ``<parent>/<id>``.
     ValueError for the combinations runc refuses (systemd driver and a plain path)."""
-    path = cgroups_path(cgroup_parent, id)
+    path = cgroups_path(cgroup_parent, id, prefix)
     if driver == SYSTEMD:
         parts = path.split(":")
         if len(parts) != 3:
@@ -121,13 +128,19 @@ def container_cgroup(cgroup_parent: str, id: str, driver: str) -> str:
     return path.lstrip("/")
 
 
-def write_cgroup(directory: str, resources: pb.LinuxContainerResources, *, create: bool) -> None:
+def write_cgroup(directory: str, resources: pb.LinuxContainerResources, *, create: bool,
+                 kernel_files: bool = False) -> None:
     """Write a container's resources into its cgroup directory as runc does: ``memory.max`` (the
-    limit, or "max") and every ``unified`` key. ``create`` makes the directory (task start);
+    limit, or "max") and every ``unified`` key. ``create`` makes the directory (task start),
+    with ``kernel_files`` also memory.min / memory.low / memory.high at the kernel's defaults
+    (without, a file exists only when something wrote it);
     otherwise a missing directory is left alone (an update of a container without a task).
     ValueError for a unified key that is not a file name."""
     if create:
         os.makedirs(directory, exist_ok=True)
+        for name, default in KERNEL_DEFAULTS.items() if kernel_files else ():  # as a new cgroup has them
+            with open(posixpath.join(directory, name), "w", encoding="ascii") as f:
+                f.write(default + "\n")
     elif not os.path.isdir(directory):
         return
     r = resources

@@ -47,6 +47,7 @@ from memqos_dev.testing.fake_runtime.records import (
     Sandbox,
     default_images,
 )
+from memqos_dev.testing.fake_runtime.resources import CONTAINERD_PREFIX, CRIO_PREFIX
 from memqos_dev.testing.fake_runtime.sandboxes import SandboxCalls
 from memqos_dev.testing.fake_runtime.stats import StatsCalls
 
@@ -76,6 +77,15 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
     * ``exec_sync_output``: None, or a function of the ExecSync command returning its
       (stdout, stderr, exit_code), or None for ``exec_sync_result``.
     * ``swap_controller`` / ``hugetlb_controller``: see ``apply_linux_resources``.
+    * ``kernel_files``: a started container's cgroup also gets memory.min / memory.low /
+      memory.high at the kernel's defaults, as a real one has them (off: a file exists only when
+      something wrote it, which some tests look at).
+    * ``update_unified``: whether UpdateContainerResources applies ``unified`` (containerd and
+      CRI-O >= 1.36 do; CRI-O before 1.36 applies the limit and leaves the keys as they were).
+
+    ``FakeRuntime.crio(version)`` is the same runtime as CRI-O names and updates containers:
+    RuntimeName "cri-o", container cgroups ``crio-<id>`` (``crio-<id>.scope`` with systemd), and
+    ``update_unified`` as that version does (docs/nri-mode.md, "What the runtimes do").
     """
 
     def __init__(
@@ -95,6 +105,9 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
         runtime_name: str = "fake-runtime",
         runtime_version: str = "0.1.0",
         cgroup_root: str | None = None,
+        update_unified: bool = True,
+        cgroup_prefix: str = CONTAINERD_PREFIX,
+        kernel_files: bool = False,
     ):
         if cgroup_driver not in (CGROUPFS, SYSTEMD):
             raise ValueError(f"cgroup_driver must be {CGROUPFS!r} or {SYSTEMD!r}, not {cgroup_driver!r}")
@@ -114,6 +127,9 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
         # a cgroup v2 tree (real files) where started containers get their cgroup, as runc
         # creates it: memory.max and every unified key written, updates applied, removed at exit
         self.cgroup_root = cgroup_root
+        self.update_unified = update_unified
+        self.kernel_files = kernel_files  # new container cgroups get memory.min/low/high at the kernel's defaults
+        self.cgroup_prefix = cgroup_prefix  # the container cgroup's leaf: <prefix>-<id> (cgroupfs: <id> for containerd)
         self.exec_sync_result: tuple[bytes, bytes, int] = (b"", b"", 0)
         self.exec_sync_output: Callable[[list[str]], tuple[bytes, bytes, int] | None] | None = None
 
@@ -166,6 +182,14 @@ class FakeRuntime(SandboxCalls, ContainerCalls, StatsCalls, ImageCalls):
         }
 
     # ------------------------------------------------------------------ public helpers
+
+    @classmethod
+    def crio(cls, version: str = "1.34.11", **kwargs) -> "FakeRuntime":
+        """The runtime as CRI-O ``version`` answers Version, names container cgroups and treats
+        ``unified`` in UpdateContainerResources (applied from 1.36.0 on)."""
+        major, minor = (int(x) for x in version.split(".")[:2])
+        kwargs.setdefault("update_unified", (major, minor) >= (1, 36))
+        return cls(runtime_name="cri-o", runtime_version=version, cgroup_prefix=CRIO_PREFIX, **kwargs)
 
     @property
     def implemented_methods(self) -> frozenset[str]:

@@ -138,11 +138,11 @@ class RuntimeState:
         """The container's cgroup directory under ``cgroup_root`` (None without one)."""
         if self.cgroup_root is None:
             return None
-        rel = container_cgroup(c.sandbox_config.linux.cgroup_parent, c.id, self.cgroup_driver)
+        rel = container_cgroup(c.sandbox_config.linux.cgroup_parent, c.id, self.cgroup_driver, self.cgroup_prefix)
         return posixpath.join(self.cgroup_root, rel)
 
     def _write_cgroup(self, c: Container, *, create: bool) -> None:
-        write_cgroup(self.cgroup_dir(c), c.resources, create=create)
+        write_cgroup(self.cgroup_dir(c), c.resources, create=create, kernel_files=self.kernel_files)
 
     def _remove_cgroup(self, c: Container) -> None:
         try:

@@ -54,10 +54,13 @@ windows and messages; the ``StreamTable``; the ``HoldBudget`` every connection i
 complete yet, the HTTP/2 limits), ``server_side.py`` (the runtime's side) and ``refuse.py`` (the
 UNAVAILABLE server side). ``aio.py`` is the asyncio layer (sockets, ``RelayProxy``: it acts on
 the events and runs the hooks), ``listener.py`` its accept loop. A connection is taken only
-with both its descriptors (the kubelet's side and the runtime's socket, made at accept) and
-only below ``max_connections``; otherwise it gets the server preface and GOAWAY
-ENHANCE_YOUR_CALM saying why, is closed and counted (``shed_limit``, ``shed_descriptors``),
-and the open connections go on being served.
+with both its descriptors (the kubelet's side and the runtime's socket, made at accept); at
+``max_connections`` or its process's ``max_connections_per_peer`` an idle open connection is
+closed for it (``shedding.py``: GOAWAY NO_ERROR, never one with a call in flight, a leaking
+client's before the kubelet's); otherwise it gets the server preface and GOAWAY
+ENHANCE_YOUR_CALM saying why, is closed, and the open connections go on being served. Each is
+counted (``shed_idle``, ``shed_peer_idle``, ``shed_limit``, ``shed_peer_limit``,
+``shed_descriptors``).
 Frames and gRPC messages are read and built by ``shim.transport.wire``.
 
 Flow control. The relay only touches the client-to-server direction's windows, and only because

@@ -1,11 +1,13 @@
 """The asyncio layer of the relay: sockets in, ``Connection`` fed, its ``Output`` acted on.
 
-``RelayProxy`` listens on the CRI socket (``listener.py`` accepts); each kubelet connection below
-``max_connections`` gets its upstream socket at once (a connection is taken only with both of
-its descriptors: what cannot be paired, or is one too many, is sent GOAWAY, closed and counted)
-and a ``_ClientSide`` protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands
-both transports' bytes to the connection's sans-I/O ``Connection``. What the connection returns
-is done here (``_ClientSide.act``): its writes go to the transports as they are (the pieces are
+``RelayProxy`` listens on the CRI socket (``listener.py`` accepts); each kubelet connection
+gets its upstream socket at once (a connection is taken only with both of its descriptors: what
+cannot be paired is sent GOAWAY, closed and counted; at ``max_connections`` or its peer's
+``max_connections_per_peer`` an idle open connection is closed to make room, ``shedding.py``,
+and only when none is idle is the newcomer refused the same way) and a ``_ClientSide``
+protocol, which connects upstream (``_UpstreamSide``) and, once it is, hands both transports'
+bytes to the connection's sans-I/O ``Connection``. What the connection returns is done here
+(``_ClientSide.act``): its writes go to the transports as they are (the pieces are
 the bytes read or views of them: no copy in between), then its events -- ``HeldRequest``: the
 hooks' ``rewrite`` (guarded: the original bytes when it fails) handed back with
 ``send_request``; ``CallEnded``: the hooks' ``finished``; ``NotRewritten``: logged and told to
@@ -42,7 +44,8 @@ from shim.transport.relay.events import CallEnded, Closed, HeldRequest, LimitHit
 from shim.transport.relay.stream import HoldBudget, StreamSettings, request_reader
 from shim.transport.relay.limits import LIMIT_NAMES, LIMIT_OUTCOMES, H2Limits
 from shim.transport.relay.listener import OUT_OF_DESCRIPTORS, Listener
-from shim.transport.wire.h2 import GOAWAY, PREFACE, SETTINGS, frame
+from shim.transport.relay.shedding import make_room, peer_pid, shed, shed_frames
+from shim.transport.wire.h2 import PREFACE
 from shim.transport.unixsock import ThrottledLog, bind_private, remove_if_ours, resolve_gid, transport_endpoints
 
 log = logging.getLogger("shim.transport.relay")
@@ -55,34 +58,22 @@ HOLD_TOTAL_BYTES = 64 * 1024 * 1024
 UPSTREAM_CONNECT_TIMEOUT = 10.0
 REFUSED_IDLE_CLOSE = 1.0  # seconds a refused connection may stay open without a call
 READ_PAUSE_BYTES = 4 * 1024 * 1024  # client bytes buffered while the upstream connects
-# Kubelet connections open at once; beyond it a new one is answered GOAWAY and closed. The kubelet
-# keeps one or two; crictl, doctor and probes add a few each.
+# Kubelet connections open at once; beyond it an idle one is closed for a new one (the new one is
+# refused only when none is idle). The kubelet keeps one or two; crictl, doctor and probes add a
+# few each.
 MAX_CONNECTIONS = 128
-ENHANCE_YOUR_CALM = 0xB
-
-
-def shed_frames(why: str) -> bytes:
-    """What a connection the relay will not serve gets before it is closed: the server preface
-    (an empty SETTINGS) and GOAWAY ENHANCE_YOUR_CALM, last stream 0 (no stream was processed, so
-    a client may retry every one), with ``why`` as its debug data."""
-    return frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, bytes(4) + ENHANCE_YOUR_CALM.to_bytes(4, "big")
-                                         + why.encode()[:256])
-
-
-def _shed(sock: socket.socket, frames: bytes) -> None:
-    try:
-        sock.send(frames)  # a new socket's buffer takes these few bytes at once
-    except OSError:
-        pass
-    finally:
-        sock.close()
+# Connections open at once from one process (SO_PEERCRED pid): one leaking client keeps at most
+# this many, so the rest of the limit stays for the others.
+MAX_CONNECTIONS_PER_PEER = 64
 
 
 class _ClientSide(asyncio.Protocol):
     """A kubelet connection: its transport, the upstream connection's, and their Connection."""
 
-    def __init__(self, relay: "RelayProxy", upstream_sock: socket.socket) -> None:
+    def __init__(self, relay: "RelayProxy", upstream_sock: socket.socket, peer: int | None = None) -> None:
         self.relay = relay
+        self.peer = peer  # the client's pid (SO_PEERCRED), None when unknown
+        self.counted = peer is not None  # among relay.peers' connections of its peer
         # the upstream connection's socket, made when the kubelet's was accepted (a connection
         # is taken only with both descriptors); connected in _connect
         self.upstream_sock: socket.socket | None = upstream_sock
@@ -94,7 +85,8 @@ class _ClientSide(asyncio.Protocol):
         self.early_bytes = 0
         self.paused = False
         self.connect_task = None
-        self.active = 0.0  # with an idle timeout: when a byte last came either way (loop time)
+        self.active = 0.0  # when a byte last came either way (loop time)
+        self._time = None  # the loop's clock
 
     def connection_made(self, transport) -> None:
         self.client = transport
@@ -103,20 +95,20 @@ class _ClientSide(asyncio.Protocol):
         relay.pending -= 1
         self.conn = Connection(relay.stream_settings, relay.limits, relay.hold_budget)
         relay.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self._time = loop.time
+        self.active = loop.time()
         if relay.stopping:
             self.drop_upstream_sock()
             transport.close()
             return
         self.connect_task = asyncio.ensure_future(self._connect())
-        loop = asyncio.get_running_loop()
         loop.call_later(relay.limits.preface_timeout, self._preface_due)
         if relay.limits.idle_timeout:
-            self.active = loop.time()
             loop.call_later(relay.limits.idle_timeout, self._idle_due)
 
     def data_received(self, data: bytes) -> None:
-        if self.active:
-            self.active = asyncio.get_running_loop().time()
+        self.active = self._time()
         if self.early is None:
             self.act(self.conn.receive_client(data))
             return
@@ -179,6 +171,28 @@ class _ClientSide(asyncio.Protocol):
                 self._closed()
                 return None
         return conn.resume() if conn.out.paused else None
+
+    def idle(self) -> bool:
+        """Relaying or refusing (what the client sent is read), no open stream, not closed."""
+        conn = self.conn
+        return self.early is None and conn.mode != "closed" and not conn.open_calls
+
+    def shed(self, why: str) -> None:
+        """Closed to make room for a new connection: GOAWAY (the client's next call opens a new
+        connection), then closed."""
+        self.act(self.conn.goaway())
+        self.act(self.conn.close("CANCELLED", why))
+
+    def release(self) -> None:
+        """No longer counted among its peer's connections (once)."""
+        if self.counted:
+            self.counted = False
+            peers = self.relay.peers
+            left = peers.get(self.peer, 1) - 1
+            if left > 0:
+                peers[self.peer] = left
+            else:
+                peers.pop(self.peer, None)
 
     def drop_upstream_sock(self) -> None:
         sock, self.upstream_sock = self.upstream_sock, None
@@ -286,6 +300,7 @@ class _ClientSide(asyncio.Protocol):
 
     def _closed(self) -> None:
         self.relay.connections.discard(self)
+        self.release()
         self.drop_upstream_sock()
         for t in (self.client, self.upstream):
             if t is not None:
@@ -307,8 +322,7 @@ class _UpstreamSide(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         side = self.side
-        if side.active:
-            side.active = asyncio.get_running_loop().time()
+        side.active = side._time()
         side.act(self.conn.receive_server(data))
 
     def eof_received(self):
@@ -357,6 +371,7 @@ class RelayProxy:
         hold_max_bytes: int = HOLD_MAX_BYTES,
         hold_total_bytes: int = HOLD_TOTAL_BYTES,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
         limits: H2Limits | None = None,
     ) -> None:
         self.listen_path, self.upstream_path, self.socket_mode = transport_endpoints(
@@ -364,13 +379,15 @@ class RelayProxy:
         )
         self.socket_group = socket_group
         for name, value in (("max_message_bytes", max_message_bytes), ("hold_max_bytes", hold_max_bytes),
-                            ("hold_total_bytes", hold_total_bytes), ("max_connections", max_connections)):
+                            ("hold_total_bytes", hold_total_bytes), ("max_connections", max_connections),
+                            ("max_connections_per_peer", max_connections_per_peer)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, not {value!r}")
         self.max_message_bytes = max_message_bytes
         self.hold_max_bytes = hold_max_bytes
         self.hold_total_bytes = hold_total_bytes
         self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
         self.limits = limits if limits is not None else H2Limits()
         # times each HTTP/2 limit was hit (limits.py), by name: read by the shim's metrics
         self.limit_hits: dict[str, int] = dict.fromkeys(LIMIT_NAMES, 0)
@@ -385,12 +402,17 @@ class RelayProxy:
             stream_record_max_messages=STREAM_RECORD_MAX_MESSAGES, stream_record_max_bytes=STREAM_RECORD_MAX_BYTES)
         self.hold_budget = HoldBudget(hold_total_bytes)  # the bytes held at once, over every connection
         self.connections: set[_ClientSide] = set()
+        self.peers: dict[int, int] = {}  # connections (made or being made) by the client's pid
         self.pending = 0  # accepted connections whose transport is not made yet
-        # connections sent GOAWAY and closed at once (public counters, read by the metrics):
-        # beyond max_connections; for want of a file descriptor (for the kubelet's side or the
-        # runtime's)
+        # connections sent GOAWAY and closed (public counters, read by the metrics): a new one
+        # refused at max_connections / at its peer's max_connections_per_peer (no open one idle);
+        # for want of a file descriptor (for the kubelet's side or the runtime's); an idle open
+        # one closed to make room for a new one at max_connections / at its peer's limit
         self.shed_limit = 0
+        self.shed_peer_limit = 0
         self.shed_descriptors = 0
+        self.shed_idle = 0
+        self.shed_peer_idle = 0
         self.upstream_failures = 0  # kubelet connections whose runtime connection could not be made
         self.stopping = False
         self._trim_pending = False
@@ -404,8 +426,10 @@ class RelayProxy:
                                      outcome="the kubelet's bytes went upstream unchanged")
         self._down = ThrottledLog("runtime unreachable", level=logging.WARNING,
                                   outcome="the connection's calls are answered UNAVAILABLE")
-        self._over_limit = ThrottledLog("connection limit reached", level=logging.WARNING,
+        self.over_limit = ThrottledLog("connection limit reached", level=logging.WARNING,
                                         outcome="it is sent GOAWAY and closed; the open ones are served")
+        self.made_room = ThrottledLog("connection limit reached", level=logging.WARNING,
+                                       outcome="it is served; the idle one was sent GOAWAY and closed")
         self._accept_failed = ThrottledLog("cannot set up", outcome="it is closed")
         self._no_fds = ThrottledLog("out of file descriptors", level=logging.WARNING,
                                     outcome="it is sent GOAWAY and closed; the open ones are served")
@@ -464,13 +488,13 @@ class RelayProxy:
 
     def _serve(self, sock: socket.socket) -> None:
         """An accepted kubelet connection: its upstream socket, transport and ``_ClientSide``;
-        or GOAWAY and closed, when it is one too many or its upstream socket cannot be made."""
-        if len(self.connections) + self.pending >= self.max_connections:
-            self.shed_limit += 1
-            why = f"memqos-shim: {len(self.connections) + self.pending} connections open, the limit is " \
-                  f"{self.max_connections}"
-            self._over_limit("a new kubelet connection", why)
-            _shed(sock, shed_frames(why))
+        or GOAWAY and closed, when it is one too many and no open one is idle, or its upstream
+        socket cannot be made."""
+        peer = peer_pid(sock)
+        if peer is not None and self.peers.get(peer, 0) >= self.max_connections_per_peer \
+                and not make_room(self, sock, peer):
+            return
+        if len(self.connections) + self.pending >= self.max_connections and not make_room(self, sock, None):
             return
         try:
             upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -480,10 +504,12 @@ class RelayProxy:
             self.shed_descriptors += 1
             why = f"memqos-shim: no file descriptor left for the runtime connection: {e}"
             self._no_fds("a new kubelet connection", why)
-            _shed(sock, shed_frames(why))
+            shed(sock, shed_frames(why))
             return
         upstream.setblocking(False)
-        side = _ClientSide(self, upstream)
+        side = _ClientSide(self, upstream, peer)
+        if peer is not None:
+            self.peers[peer] = self.peers.get(peer, 0) + 1
         self.pending += 1
         task = asyncio.ensure_future(asyncio.get_running_loop().connect_accepted_socket(lambda: side, sock))
         self._accepting.add(task)
@@ -494,6 +520,7 @@ class RelayProxy:
         if side.made:
             return
         self.pending -= 1
+        side.release()
         side.drop_upstream_sock()
         sock.close()
         if not task.cancelled() and task.exception() is not None:
@@ -519,8 +546,9 @@ class RelayProxy:
         self._terminated = asyncio.Event()
         trim_heap()
         log.info("CRI relay serving on %s (mode %#o%s), upstream unix://%s, event loop %s, at most %d "
-                 "connections", self.listen_path, self.socket_mode, "" if gid is None else f", group {gid}",
-                 self.upstream_path, type(loop).__module__, self.max_connections)
+                 "connections (%d per process)", self.listen_path, self.socket_mode,
+                 "" if gid is None else f", group {gid}", self.upstream_path, type(loop).__module__,
+                 self.max_connections, self.max_connections_per_peer)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting connections, tell clients to open no new streams (GOAWAY), give calls
