@@ -4,6 +4,8 @@
   localhost/busybox:latest  a rootfs with busybox-static (/bin/busybox + applet links)
   localhost/pause:e2e       a static pause binary compiled from e2e/pause.c
   localhost/hog:e2e         a static memory grower compiled from e2e/hog.c (guard scenario)
+and, beside the images, OUT_DIR/hog and OUT_DIR/pressure (e2e/pressure.c), the static binaries the
+protection benchmark (e2e/guest_pressure.py) runs straight in cgroups.
 
 These are the image names of the recorded kubelet traffic in tests/data/traces (the kubelet
 ran with imagePullPolicy: Never and --pod-infra-container-image=localhost/pause:e2e).
@@ -162,6 +164,7 @@ def main(argv: list[str]) -> int:
     out = argv[1]
     os.makedirs(out, exist_ok=True)
     images = [build_busybox(out), build_pause(out), build_hog(out)]
+    _static(out, "pressure")  # not an image: the protection benchmark runs it straight in cgroups
     with open(os.path.join(out, "images.json"), "w") as f:
         json.dump(images, f, indent=1)
     for im in images:

@@ -17,6 +17,9 @@ Started by scripts/e2e-vm with the checkout's .venv python. It
      completes or is OOM-killed at memory.max;
   3b. with --reclaim, the proactive reclaim scenario (ReclaimScenario, e2e/guest_reclaim.py): a page-cache reader
      without and with --reclaim, one after the other and side by side, plus the anon hog;
+  3c. with --pressure quick|full, the protection benchmark (PressureScenario, e2e/guest_pressure.py): kubelet-laid
+     cgroups under page cache and node pressure with each value set (none, a gate-on kubelet's, the shim's);
+     it needs no runtime: alone, containerd is not started;
   4. writes OUT/report-guest.json (every asserted file with expected and actual value; the
      guard's timings under "guard", the reclaim tables under "reclaim") and the logs (containerd, shim, audit, cgroup snapshots,
      guard-timeline.jsonl) under OUT/logs.
@@ -49,6 +52,7 @@ from guest_common import (  # noqa: E402
     parse_pressure, pids_named, read_audit, reconciler_available, setup_cgroups, spawn, wait_for_socket
 )
 from guest_guard import GuardScenario  # noqa: E402
+from guest_pressure import PressureScenario  # noqa: E402
 from guest_reclaim import ReclaimScenario  # noqa: E402
 from guest_replay import Replayer, short, substitute_ids  # noqa: E402
 from guest_traces import Scenario  # noqa: E402
@@ -212,6 +216,9 @@ def main(argv: list[str]) -> int:
                     help="guard: seconds allowed beyond window + one interval for the guard to act")
     ap.add_argument("--reclaim", action="store_true",
                     help="run the proactive reclaim scenario (after the traces and the guard)")
+    ap.add_argument("--pressure", choices=("quick", "full"), default=None,
+                    help="run the protection benchmark (e2e/guest_pressure.py): quick (the baseline and the shim's "
+                         "default values) or full (every value set)")
     ap.add_argument("--nri", default="", metavar="TRACE",
                     help="run the NRI scenario (e2e/nri_scenario.py) on this trace, after the others; proxy mode's "
                          "values for it are those of the --trace replay of the same file when there is one")
@@ -257,8 +264,9 @@ def main(argv: list[str]) -> int:
         if not reconciler[0]:
             log("no reconciler in the checkout: pod/QoS/node values will be reported as skipped")
         images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar", "hog.tar")]
-        containerd = start_containerd(logs, images, False, report, stack, nri=bool(args.nri))
-        log("containerd ready, images imported")
+        if args.trace or args.guard or args.reclaim or args.nri:
+            containerd = start_containerd(logs, images, False, report, stack, nri=bool(args.nri))
+            log("containerd ready, images imported")
         stack_checked: list[bool] = []
 
         def stack_check() -> None:  # once, with the first pods running
@@ -282,6 +290,8 @@ def main(argv: list[str]) -> int:
             run_scenario("guard", guard, report)
         if args.reclaim:
             run_scenario("reclaim", ReclaimScenario(args, report), report)
+        if args.pressure:  # no runtime: its cgroups and processes are its own
+            run_scenario("pressure", PressureScenario(args, report), report)
         if args.nri:  # last: its pods stay until the VM ends
             import nri_scenario
 
@@ -297,8 +307,8 @@ def main(argv: list[str]) -> int:
             nri = nri_scenario.NriScenario(args, report, args.nri, reconciler, containerd, restart_containerd,
                                            proxy_values=proxy_values)
             run_scenario("nri", nri, report)
-        if not args.trace and not args.guard and not args.reclaim and not args.nri:
-            raise InfraError("nothing to run: no --trace, no --guard, no --reclaim")
+        if not args.trace and not args.guard and not args.reclaim and not args.nri and not args.pressure:
+            raise InfraError("nothing to run: no --trace, no --guard, no --reclaim, no --pressure")
     except InfraError as e:
         report.data["errors"].append(str(e))
         log(f"INFRA ERROR: {e}")

@@ -215,6 +215,11 @@ def ci_default_entries() -> list[str]:
     return m.group(1).split()
 
 
+def test_ci_runs_the_protection_benchmark_checks():
+    """.ci/run's default has the protection benchmark's short boot (docs/protection.md)."""
+    assert "2.x:pressure" in ci_default_entries()
+
+
 def test_ci_runs_the_nri_scenario_on_both_nri_stacks_in_boots_it_already_makes():
     """.ci/run's default: the NRI scenario on containerd 2.x and 1.7, each inside a VM boot that
     runs other scenarios too (no boot of its own), and every entry one scripts/e2e-vm accepts
@@ -224,7 +229,8 @@ def test_ci_runs_the_nri_scenario_on_both_nri_stacks_in_boots_it_already_makes()
     nri_stacks = {e[0] for e in vm_entries if e[1] == "nri" or e[1].endswith("+nri")}
     assert {"2.x", "1.7"} <= nri_stacks
     assert not [e for e in vm_entries if e[1] == "nri"]  # no boot for the NRI scenario alone
-    assert len({e[0] for e in vm_entries}) == len(vm_entries)  # one boot per stack
+    runtime_boots = [e for e in vm_entries if e[1] != "pressure"]  # the protection benchmark needs no runtime
+    assert len({e[0] for e in runtime_boots}) == len(runtime_boots)  # one boot per stack
     for stack, scenario, *trace in vm_entries:
         p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "e2e-vm"), "--scenario", scenario, "--stack", "9",
                             *(["--trace", trace[0]] if trace else []), "--no-install"],
