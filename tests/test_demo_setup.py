@@ -36,7 +36,7 @@ def test_a_first_demo_installs_the_runtime_package_only_and_says_so(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     assert "== installing memqos-shim and its runtime dependencies into .venv" in first.stderr
     assert "== installed in " in first.stderr and "== running the demo" in first.stderr
-    assert "{} -> {memory.min=256Mi (268435456)}" in first.stdout
+    assert "{} -> {memory.low=256Mi (268435456), memory.min=230.4Mi (241590272)}" in first.stdout
     listed = run(root, ".venv/bin/python", "-c", "import importlib.metadata as m, json; "
                  "print(json.dumps([d.metadata['Name'] for d in m.distributions()]))")
     names = {name.lower().replace("_", "-") for name in json.loads(listed.stdout)}
