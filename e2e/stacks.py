@@ -21,6 +21,7 @@ containerd-shim-runc-v2 need glibc 2.34 and run as shipped.
 
     python3 e2e/stacks.py prepare NAME --out OUT [--refresh]   # prints OUT/stacks/NAME/stack.json
     python3 e2e/stacks.py names                                 # the stack names
+    python3 e2e/stacks.py deb SUITE PACKAGE --into DIR          # one checked .deb unpacked in DIR
     python3 e2e/stacks.py matrix OUT STACK=CODE...              # the table after several runs
 """
 from __future__ import annotations
@@ -263,6 +264,21 @@ def prepare(name: str, out: str, refresh: bool) -> dict:
     return info
 
 
+def unpack_one(suite: str, name: str, into: str) -> dict:
+    """One package of SUITE, checked as the stacks' packages are, unpacked into INTO (its .deb
+    kept in INTO/debs); INTO/package.json records what it is. Used for tools the tests run that
+    the host's release does not ship (kubectl: scripts/install-test-deps)."""
+    base = mirror()
+    work = os.path.join(into, "debs")
+    os.makedirs(work, exist_ok=True)
+    info = deb(base, packages_index(base, suite, work), name, work, into)
+    info.update(suite=suite, archive=base)
+    with open(os.path.join(into, "package.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    log(f"{name} {info['version']} from {suite} unpacked in {into}")
+    return info
+
+
 def matrix(out: str, codes: list[str]) -> int:
     """After one VM run per stack (scripts/e2e-vm --stack A,B): OUT/matrix.json and one row per
     stack, then the totals. Exit code: the worst of the runs (3 error > 2 boot > 1 fail > 0)."""
@@ -304,6 +320,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="directory of the stacks (e.g. out/stacks)")
     p.add_argument("--refresh", action="store_true", help="resolve and download again")
     sub.add_parser("names")
+    d = sub.add_parser("deb")
+    d.add_argument("suite")
+    d.add_argument("package")
+    d.add_argument("--into", required=True, help="directory to unpack it in (dpkg-deb -x)")
     m = sub.add_parser("matrix")
     m.add_argument("out")
     m.add_argument("codes", nargs="*", help="STACK=EXIT_CODE of each run, in order")
@@ -313,6 +333,13 @@ def main(argv: list[str]) -> int:
         return 0
     if args.cmd == "matrix":
         return matrix(args.out, args.codes)
+    if args.cmd == "deb":
+        try:
+            unpack_one(args.suite, args.package, os.path.abspath(args.into))
+        except (StackError, OSError, subprocess.CalledProcessError) as e:
+            log(f"ERROR: {e}")
+            return 3
+        return 0
     try:
         info = prepare(args.name, os.path.abspath(args.out), args.refresh)
     except (StackError, OSError, subprocess.CalledProcessError) as e:

@@ -1,4 +1,4 @@
-"""Host tools some tests run (promtool, logrotate, dbus-daemon, systemd-analyze): where they are,
+"""Host tools some tests run (promtool, logrotate, dbus-daemon, systemd-analyze, kubectl): where they are,
 and what a test does when one is missing. scripts/install-test-deps installs them; without one
 a test skips, unless MEMQOS_REQUIRE_TOOLS=1 (as .ci/run sets), which makes that a failure."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # beside PATH: the sbin directories (root's tools) and what install-test-deps unpacks under out/tools
-EXTRA_DIRS = ("/usr/sbin", "/sbin", str(ROOT / "out" / "tools" / "prometheus" / "usr" / "bin"))
+EXTRA_DIRS = ("/usr/sbin", "/sbin", str(ROOT / "out" / "tools" / "prometheus" / "usr" / "bin"),
+              str(ROOT / "out" / "tools" / "kubectl" / "usr" / "bin"))
 
 
 def find_tool(name: str) -> str | None:
