@@ -222,6 +222,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--nri", default="", metavar="TRACE",
                     help="run the NRI scenario (e2e/nri_scenario.py) on this trace, after the others; proxy mode's "
                          "values for it are those of the --trace replay of the same file when there is one")
+    ap.add_argument("--nri-image", default="", metavar="DIR",
+                    help="the NRI scenario's plugin from this image (scripts/build-image's output, e2e/nri_image.py)")
     ap.add_argument("--manifests", default="")
     ap.add_argument("--driver", default="all", help="cgroupfs, systemd or all")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the reconciler gets to converge")

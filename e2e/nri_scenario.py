@@ -231,10 +231,15 @@ class NriScenario:
         # 2. NRI mode: the plugin, then the same requests straight at containerd
         self.nri = G.Scenario(self.args, self.report, self.trace_path, SCN, self.reconciler)
         self.report.data["scenarios"].append({"name": SCN, "trace": self.trace_path})
-        self.plugin = Plugin(self.args.python, self.logs, self.nri.kubelet_config,
-                             os.path.join(G.RUN, SCN, "meminfo"))
+        import nri_image  # the image's plugin with --nri-image (scripts/e2e-vm --plugin-image)
+
+        meminfo = os.path.join(G.RUN, SCN, "meminfo")
+        self.plugin = nri_image.plugin_for(self.args, self.logs, self.nri.kubelet_config, meminfo) or \
+            Plugin(self.args.python, self.logs, self.nri.kubelet_config, meminfo)
         self.plugin.start()
         dt = self.plugin.wait_synced(1)
+        if hasattr(self.plugin, "check_pod"):
+            self.plugin.check_pod(self)
         self.report.timing("nri:plugin-registered", dt)
         conf = self.plugin.events("nri-configure")
         self.note(f"plugin registered after {dt:.1f}s: {conf[-1] if conf else '?'}")
