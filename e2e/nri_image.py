@@ -114,7 +114,7 @@ def translate(docs: list[dict], sources: dict[str, str], overrides: dict, work: 
 def ctr_run_args(t: dict, extra_mounts: list[dict], log_uri: str) -> list[str]:
     args = ["run", "-d", "--log-uri", log_uri, "--user", t["user"]]
     args += ["--read-only"] * t["read_only"] + ["--privileged"] * t["privileged"] + ["--net-host"] * t["host_network"]
-    args += ["--seccomp"] * t["seccomp"]
+    args += ["--seccomp"] * t["seccomp"] + ["--allow-new-privs"] * (not t["no_new_privileges"])  # ctr: on by default
     for cap in t["cap_drop"]:
         args += ["--cap-drop", cap]
     if t["memory_limit"]:
@@ -225,6 +225,12 @@ class ImagePlugin(Plugin):
                   "0000000000000000", st.get("CapEff", "?"), "capabilities drop [ALL]", source="nri-image")
         scn.check("plugin from the image", "uid", f"/proc/{self.proc.pid}/status Uid",
                   self.spec["user"].split(":")[0], st.get("Uid", "?"), "runAsUser", source="nri-image")
+        scn.check("plugin from the image", "no new privileges", f"/proc/{self.proc.pid}/status NoNewPrivs",
+                  "1" if self.spec["no_new_privileges"] else "0", st.get("NoNewPrivs", "?"),
+                  "allowPrivilegeEscalation", source="nri-image")
+        if self.spec["seccomp"]:
+            scn.check("plugin from the image", "seccomp filter", f"/proc/{self.proc.pid}/status Seccomp",
+                      "2", st.get("Seccomp", "?"), "seccompProfile RuntimeDefault", source="nri-image")
         scn.report.data["nri"]["image"] = {**self.info, "status": st, "import_s": round(self.import_s, 1),
                                            "ctr_run": ctr_run_args(self.spec, self.extra, "file://...")}
 

@@ -57,6 +57,7 @@ def test_the_plugin_container_runs_as_the_manifest_says(nri_image, tmp_path):
     args = nri_image.ctr_run_args(t, [], "file:///log")
     assert args[-len(c["command"]):] == c["command"] and nri_image.CID in args
     assert "--read-only" in args and "--seccomp" in args and "--privileged" not in args
+    assert "--allow-new-privs" not in args and t["no_new_privileges"]
     assert "type=bind,src=/sys/fs/cgroup,dst=/sys/fs/cgroup,options=rbind:rw" in args
 
 
@@ -66,6 +67,7 @@ def test_a_change_of_the_manifest_changes_the_run(nri_image, tmp_path):
     _, spec, c = plugin(changed)
     c["command"] = c["command"] + ["--log-level", "debug"]
     c["securityContext"]["readOnlyRootFilesystem"] = False
+    c["securityContext"]["allowPrivilegeEscalation"] = True
     c["resources"]["limits"]["memory"] = "300Mi"
     spec["volumes"].append({"name": "extra", "emptyDir": {}})
     c["volumeMounts"].append({"name": "extra", "mountPath": "/extra"})
@@ -73,6 +75,7 @@ def test_a_change_of_the_manifest_changes_the_run(nri_image, tmp_path):
     after = nri_image.ctr_run_args(nri_image.translate(changed, sources(tmp_path), {}, str(tmp_path)), [], "file:///l")
     assert after[-2:] == ["--log-level", "debug"] and "--read-only" in before and "--read-only" not in after
     assert str(300 * 1024 * 1024) in after
+    assert "--allow-new-privs" in after and "--allow-new-privs" not in before
     assert any(a.endswith("dst=/extra,options=rbind:rw") for a in after)
 
 
