@@ -160,6 +160,16 @@ def _guard_action(v: Any) -> str:
     return t
 
 
+NRI_CONFIRM = ("write", "report", "off")
+
+
+def _nri_confirm(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in NRI_CONFIRM:
+        raise ConfigError(f"nri-confirm must be one of {list(NRI_CONFIRM)}, not {v!r}")
+    return t
+
+
 SYSTEMD_WRITES = ("auto", "dbus", "cgroupfs")
 
 
@@ -362,6 +372,18 @@ OPTIONS: tuple[Option, ...] = (
            "calls plugins in ascending index order. 50 runs after plugins that pin themselves first "
            "(koordlet: 00) and before nri-plugins' default 90; memqos sets only memory.* unified keys, "
            "which no other plugin may set on the same container anyway", "N"),
+    Option("nri-confirm", "str", "write", _nri_confirm,
+           "`memqos-shim nri`: after each adjustment and Synchronize, read the container's memory.min / "
+           "memory.low / memory.high in its cgroup (a side thread) and, where the value decided did not land "
+           "(a runtime that only updates the stored spec of a container not yet running, an answer the "
+           "runtime dropped), write it (never lowering memory.min / memory.low), or report it (audit and "
+           "count only), or off"),
+    Option("nri-confirm-window", "float", 60.0, _positive_float,
+           "`memqos-shim nri`: seconds a container's values are waited for (its cgroup must appear, i.e. "
+           "the container be created) before the confirmation gives up", "S", where=FILE),
+    Option("nri-confirm-queue", "int", 4096, _positive_int,
+           "`memqos-shim nri`: containers waiting for confirmation at most; beyond, a confirmation is dropped "
+           "and counted", "N", where=FILE),
     Option("monitor-interval", "float", 5.0, _non_negative_float,
            "seconds between samples of every managed container's memory.* files (metrics and the memory.high "
            "guard; read in a side thread, never on the CRI path); 0 turns sampling and the guard off", "S"),

@@ -59,6 +59,7 @@ class NriService(Service):
     ``containers``), so the kubelet-version and metrics wiring of ``Service`` apply as they are."""
 
     heartbeat_interval = 5.0  # seconds between heartbeats (health-file)
+    nri = True
 
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, handler: NriMemoryQoS, reconciler=None,
                  monitor=None, metrics=None, *, version_pending: bool = False):
@@ -83,7 +84,7 @@ class NriService(Service):
     def from_config(cls, cfg: Config) -> "NriService":
         kubelet, capacity, page, node, v2 = read_node(cfg)
         audit = start_audit(cfg)
-        writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
+        writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet, nri=True)
         rollout = Rollout(cfg.mode)
         if protobuf_backend() != "upb":
             log.warning("protobuf backend is %r, not upb: each NRI answer costs ~1 ms instead of ~10 us",
@@ -103,14 +104,23 @@ class NriService(Service):
         say_mode(rollout)
         reconciler = build_nri_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
         reason = "" if v2 else f"{cfg.cgroup_root}/cgroup.controllers not found (not cgroup v2)"
+        confirmer = None
+        if v2 and cfg.nri_confirm != "off":
+            from shim.container.nri_confirm import NriConfirmer
+
+            confirmer = NriConfirmer(cgroup_root=cfg.cgroup_root, kubelet=kubelet, emit=audit.emit, rollout=rollout,
+                                     mode=cfg.nri_confirm, window=cfg.nri_confirm_window,
+                                     max_pending=cfg.nri_confirm_queue)
         handler = NriMemoryQoS(node, cfg.policy, audit.emit, ownership=owners, enabled=v2, disabled_reason=reason,
                                enqueue=reconciler.submit if reconciler is not None else None,
                                rebuild=listing_rebuild(capacity) if reconciler is not None else None,
-                               rollout=rollout)
+                               rollout=rollout, confirmer=confirmer)
         from shim.guard.monitor import build_monitor
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=handler, reconciler=reconciler,
                                 rollout=rollout) if v2 else None
+        if confirmer is not None and monitor is not None:
+            confirmer.guarded = monitor.has_episode  # the guard's memory.high is left to it
         metrics = None
         if cfg.metrics_address:
             from shim.evidence.metrics import build_metrics
@@ -131,6 +141,8 @@ class NriService(Service):
             self._beating = asyncio.ensure_future(self.heartbeat.run(self.state))
         if self.reconciler is not None:
             self.reconciler.start()  # idle until the first Synchronize
+        if self.handler.confirmer is not None:
+            self.handler.confirmer.start()
         self._running = asyncio.ensure_future(self.plugin.run(self._stop))
         log.info("NRI plugin %02d-%s on %s", self.cfg.nri_index, self.plugin.name, self.cfg.nri_socket)
         if self.version_pending:
@@ -165,6 +177,8 @@ class NriService(Service):
             self.version_watcher.stop(timeout=1.0)
         if self.reconciler is not None:
             self.reconciler.stop()
+        if self.handler.confirmer is not None:
+            self.handler.confirmer.stop()
         if self.monitor is not None:
             self.monitor.stop()
         if self.metrics is not None:

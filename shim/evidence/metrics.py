@@ -244,6 +244,16 @@ class _LiveCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
+        confirmer = getattr(plugin.handler, "confirmer", None)
+        if confirmer is not None:
+            cs = confirmer.stats
+            c = CounterMetricFamily("memqos_nri_confirm", "containers' values looked at in their cgroup after an NRI "
+                                    "answer, by outcome: confirmed (every value in place), written / reported (one "
+                                    "per value that had not landed), gave_up (no cgroup within nri-confirm-window), "
+                                    "dropped (nri-confirm-queue full), refused (no valid path)", labels=["outcome"])
+            for outcome in ("confirmed", "written", "reported", "gave_up", "dropped", "refused", "errors"):
+                c.add_metric([outcome], float(getattr(cs, outcome)))
+            yield c
 
     @staticmethod
     def _transport(t):

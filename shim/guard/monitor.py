@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import time
 from dataclasses import replace
 from typing import Callable, Iterable
@@ -54,8 +53,8 @@ from shim.decision.guard import (
     history_needed,
 )
 from shim.effects.cgroupfs import PathRefused
-from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups
-from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
+from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups, container_dir
+from shim.effects.layout import CgroupLayout, detect_driver
 from shim.effects.rollout import OBSERVE
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
 from shim.guard.reclaim import TOTALS, ReclaimRunner
@@ -64,9 +63,6 @@ from shim.node.facts import KubeletFacts, is_cgroup_v2
 from shim.worker import Probe, Worker
 
 log = logging.getLogger(__name__)
-
-_ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
-
 
 # -- containers ------------------------------------------------------------------------
 def refs_from_container_qos(container_qos) -> list[ContainerRef]:
@@ -191,6 +187,11 @@ class Monitor(Worker):
     def on_active(self) -> None:
         log.info("monitor: sampling containers every %g s under %s", self.interval, self.cgroup_root)
 
+    def has_episode(self, container_id: str) -> bool:
+        """Whether the guard has an episode open for the container (its memory.high is the
+        guard's until the episode ends). Safe from any thread."""
+        return container_id in self._last_ref
+
     def refs(self) -> list[ContainerRef]:
         seen: dict[str, ContainerRef] = {}
         for source in self.sources:
@@ -209,20 +210,10 @@ class Monitor(Worker):
         cached = self._paths.get(ref.id)
         if cached is not None:
             return cached
-        if not _ID.match(ref.id or ""):
-            raise PathRefused(f"container id {ref.id[:80]!r} is not an id")
-        _, pod_path = self.layout.pod_from_parent(ref.cgroup_parent, ref.uid)
-        if self.layout.driver == SYSTEMD:
-            names = (f"cri-containerd-{ref.id}.scope", f"crio-{ref.id}.scope")
-        else:
-            names = (ref.id, f"crio-{ref.id}")
-        for name in names:
-            rel = f"{pod_path}/{name}"
-            self.fs.check(rel)
-            if self.fs.is_dir(rel):
-                self._paths[ref.id] = rel
-                return rel
-        return None
+        rel = container_dir(self.fs, self.layout, ref.id, ref.uid, ref.cgroup_parent)
+        if rel is not None:
+            self._paths[ref.id] = rel
+        return rel
 
     def tick(self, now: float | None = None) -> list[tuple[ContainerRef, object]]:
         """Sample every container once and run the guard. Returns (ref, GuardDecision) for
