@@ -254,3 +254,14 @@ def test_beside_the_recorded_gate_on_kubelet_no_adjustment_touches_its_keys(tmp_
 
 def test_the_recorded_trace_is_where_the_test_looks():
     assert Path(trace_file(MEMQOS_ON)).exists() and ON_CONFIG.exists()
+
+
+def test_doctor_says_which_keys_nri_mode_leaves_to_the_kubelet(tmp_path):
+    from shim.tools.doctor import Doctor
+    from tests.test_doctor import cfg, env
+
+    for config, want in ((ON_CONFIG, "the kubelet's keys, left out of every adjustment: memory.high, memory.low, "
+                                     "memory.min"),
+                         (TRACES_DIR / "kubelet-config-memqos-off.json", "the kubelet writes no container")):
+        r = Doctor(cfg(kubelet_config=str(config), kubelet_version="unknown"), env(tmp_path)).check_nri()
+        assert any(want in line for line in r.details), r.details
