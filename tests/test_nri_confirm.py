@@ -265,3 +265,32 @@ def test_doctor_says_which_keys_nri_mode_leaves_to_the_kubelet(tmp_path):
                          (TRACES_DIR / "kubelet-config-memqos-off.json", "the kubelet writes no container")):
         r = Doctor(cfg(kubelet_config=str(config), kubelet_version="unknown"), env(tmp_path)).check_nri()
         assert any(want in line for line in r.details), r.details
+
+
+def test_nri_metrics_count_confirmations_call_times_and_loop_stalls(tmp_path):
+    import urllib.request
+
+    st = Stack(tmp_path, extra=("--metrics-address", "127.0.0.1:0"))
+    tree = st.tree
+    b = nri_pod("b", UB, "burstable", {"memqos.io/requests": REQ})
+    cb = nri_container("cb", b, "app", "burstable", request=256 * MI, limit=1024 * MI, state=pb.CONTAINER_CREATED)
+    container_cgroup(tree, "burstable", UB, "cb")
+
+    async def main():
+        service = st.service()
+        await service.start()
+        try:
+            async with FakeNriRuntime(st.sock, pods=[b], containers=[cb]) as rt:
+                await rt.next_plugin()
+                while service.handler.confirmer.stats.written == 0:
+                    await asyncio.sleep(0.05)
+                host, port = service.metrics.address
+                text = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode())
+                assert 'memqos_nri_confirm_total{outcome="written"} 2.0' in text
+                assert 'memqos_nri_calls_total{method="Synchronize"} 1.0' in text
+                assert 'memqos_nri_call_seconds_max{method="Synchronize",part="handler"}' in text
+                assert "memqos_nri_loop_stalls_total" in text
+        finally:
+            await service.stop()
+    run(main())

@@ -78,6 +78,7 @@ class NriService(Service):
         self.heartbeat = None
         self._beating: asyncio.Future | None = None
         self._running: asyncio.Future | None = None
+        self._watching: asyncio.Future | None = None
         self._stop = asyncio.Event()
 
     @classmethod
@@ -143,6 +144,9 @@ class NriService(Service):
             self.reconciler.start()  # idle until the first Synchronize
         if self.handler.confirmer is not None:
             self.handler.confirmer.start()
+        from shim.nri.plugin import watch_loop
+
+        self._watching = asyncio.ensure_future(watch_loop(self.plugin.stats))
         self._running = asyncio.ensure_future(self.plugin.run(self._stop))
         log.info("NRI plugin %02d-%s on %s", self.cfg.nri_index, self.plugin.name, self.cfg.nri_socket)
         if self.version_pending:
@@ -170,6 +174,9 @@ class NriService(Service):
         self._stop.set()
         if self._running is not None:
             await asyncio.gather(self._running, return_exceptions=True)
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
         if self._beating is not None:  # the file is removed: not alive any more
             self._beating.cancel()
             await asyncio.gather(self._beating, return_exceptions=True)

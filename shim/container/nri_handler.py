@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
@@ -81,11 +82,15 @@ class NriMemoryQoS(Handler):
                  enqueue: Callable[[Any], None] | None = None, ownership=None, enabled: bool = True,
                  disabled_reason: str = "", rebuild: Callable[[list], Any] | None = None,
                  clock: Callable[[], int] = time.time_ns, rollout: Rollout | None = None, confirmer=None):
+        # while a runtime call is answered: what goes to the side threads (audit records, node
+        # events, confirmations), handed over once the reply is written (``replied``), so no
+        # thread wakes up to compete with the reply for the interpreter
+        self._after: list[Callable[[], Any]] | None = None
         # the decision and its audit record are the rewriter's, as they are in proxy mode
-        self.qos = ContainerMemoryQoS(node, policy, emit, enabled=enabled, disabled_reason=disabled_reason,
+        self.qos = ContainerMemoryQoS(node, policy, self._emit, enabled=enabled, disabled_reason=disabled_reason,
                                       ownership=ownership, rollout=rollout)
         self.rollout = self.qos.rollout
-        self._emit = emit
+        self._emit_now = emit
         self._enqueue = enqueue
         self._rebuild = rebuild  # events of a Synchronize -> the reconciler's queue item
         self._clock = clock
@@ -340,7 +345,33 @@ class NriMemoryQoS(Handler):
 
     def _put(self, item: Any) -> None:
         if self._enqueue is not None:
-            self._enqueue(item)
+            self._later(self._enqueue, item)
+
+    def _emit(self, record: dict) -> None:
+        self._later(self._emit_now, record)
+
+    def _later(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        if self._after is None:
+            fn(arg)
+        else:
+            self._after.append(partial(fn, arg))
+
+    def answering(self) -> None:
+        """A runtime call is being answered: hand-overs wait for ``replied`` (those of an earlier
+        call whose reply was never reported, e.g. a caller without a socket, go first)."""
+        if self._after:
+            self.replied()
+        self._after = []
+
+    def replied(self) -> None:
+        """The reply is written: the call's audit records, node events and confirmations go to
+        their threads now, in the order they were made."""
+        after, self._after = self._after or [], None
+        for fn in after:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a full queue or a closed writer must not stop the rest
+                log.exception("NRI: handing over after the reply failed")
 
     def _in_force(self, pod: pb.PodSandbox, c: pb.Container) -> Mapping[str, str | None] | None:
         """The container's memory.* files in its cgroup (cgroupfs reads, no disk), None when
@@ -353,7 +384,9 @@ class NriMemoryQoS(Handler):
         """Hand the values answered to the confirmer (a put without waiting)."""
         if self.confirmer is None or not keys:
             return
-        self._safe(lambda: self.confirmer.submit(Expected(
-            c.id, pod.uid, nf.cgroup_parent(pod, c), f"{pod.namespace}/{pod.name}/{c.name}",
-            MappingProxyType(dict(keys)), method)))
+        expected = self._safe(lambda: Expected(c.id, pod.uid, nf.cgroup_parent(pod, c),
+                                               f"{pod.namespace}/{pod.name}/{c.name}", MappingProxyType(dict(keys)),
+                                               method))
+        if expected is not None:
+            self._later(self.confirmer.submit, expected)
 

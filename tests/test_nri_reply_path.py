@@ -1,0 +1,107 @@
+"""NRI mode's reply path: nothing that wakes a side thread (audit record, node event,
+confirmation) is handed over before the reply to the runtime is written; each call's times
+(read, decided, written) are kept per method; the heartbeat file is written off the loop."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from shim.container.nri_handler import NriMemoryQoS
+from shim.decision import Policy
+from shim.evidence.health import Heartbeat
+from shim.nri import api_pb2 as pb
+from shim.nri.plugin import PLUGIN_CONN, PLUGIN_SERVICE, RUNTIME_CONN, NriProtocol
+from shim.tools.kubelet_requests import MI
+from shim.transport.ttrpc_mux import TtrpcMux
+from shim.transport.wire import mux, ttrpc
+from tests.test_nri_front import NODE, UB, nri_container, nri_pod
+
+REQ = json.dumps({"app": "256Mi"})
+
+
+class Confirmer:
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, expected):
+        self.submitted.append(expected)
+        return True
+
+    def kernel_values(self, *a):
+        return None
+
+
+def create_request() -> ttrpc.Request:
+    pod = nri_pod("b", UB, "burstable", {"memqos.io/requests": REQ})
+    c = nri_container("cb", pod, "app", "burstable", request=256 * MI, limit=1024 * MI)
+    return ttrpc.Request(PLUGIN_SERVICE, "CreateContainer",
+                         pb.CreateContainerRequest(pod=pod, container=c).SerializeToString(), 2_000_000_000)
+
+
+def test_side_threads_get_nothing_until_the_reply_is_written():
+    records, events, confirmer = [], [], Confirmer()
+    handler = NriMemoryQoS(NODE, Policy.HARD, records.append, enqueue=events.append, confirmer=confirmer)
+    proto = NriProtocol(handler)
+    req = create_request()
+    reply = proto.serve(req)
+    adjust = pb.CreateContainerResponse.FromString(reply.payload).adjust
+    assert adjust.linux.resources.unified["memory.min"] == str(256 * MI)
+    assert (records, events, confirmer.submitted) == ([], [], [])  # the runtime is still waiting
+    proto.replied(req, 1.0, 1.25, 1.5)
+    assert [r["event"] for r in records] == ["rewrite"] and len(events) == 1
+    [e] = confirmer.submitted
+    assert e.container_id == "cb" and e.values["memory.min"] == str(256 * MI) and e.method == "CreateContainer"
+    times = proto.stats.times["CreateContainer"]
+    assert times.count == 1 and times.handler == times.handler_max == 0.25 and times.write == 0.25
+
+
+class Writer:
+    """A StreamWriter stand-in that keeps what is written."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, data):
+        self.data += data
+
+    def close(self):
+        pass
+
+
+def test_the_mux_reports_a_reply_after_writing_it_with_its_times():
+    seen = []
+    writer = Writer()
+
+    def replied(request, received, decided, written):
+        seen.append((request.method, bytes(writer.data), received <= decided <= written))
+
+    m = TtrpcMux(None, writer, serve_conn=PLUGIN_CONN, client_conn=RUNTIME_CONN,
+                 handler=lambda r: ttrpc.Response(b"ok"), replied=replied)
+    client = ttrpc.Connection(client=True)
+    client.send_request(ttrpc.Request(PLUGIN_SERVICE, "StateChange", b""))
+    client.send_request(ttrpc.Request(PLUGIN_SERVICE, "Shutdown", b""))
+    wire = mux.encode(PLUGIN_CONN, client.data_to_send(), mux.SEND_FRAME)
+    for conn_id, payload in mux.MuxDecoder({PLUGIN_CONN}, mux.MAX_FRAME).receive_data(wire):
+        m._served(m._server.receive_data(payload), 1.0)
+    [(first, written_first, ordered1), (second, written_second, ordered2)] = seen
+    assert (first, second) == ("StateChange", "Shutdown") and ordered1 and ordered2
+    # each reply is on the socket when it is reported, the first before the second is answered
+    assert written_first and len(written_second) > len(written_first)
+
+
+def test_the_heartbeat_file_is_written_off_the_event_loop(tmp_path):
+    import threading
+
+    where = []
+    hb = Heartbeat(str(tmp_path / "health"), interval=0.01)
+    beat = hb.beat
+    hb.beat = lambda state: where.append(threading.current_thread() is threading.main_thread()) or beat(state)
+
+    async def main():
+        task = asyncio.ensure_future(hb.run(lambda: "registered"))
+        while not where:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    assert where and not any(where)
