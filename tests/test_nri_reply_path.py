@@ -105,3 +105,35 @@ def test_the_heartbeat_file_is_written_off_the_event_loop(tmp_path):
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
     assert where and not any(where)
+
+
+def test_what_registration_does_not_need_is_imported_after_the_plugin_starts(tmp_path):
+    """NriService.from_config (everything before the plugin connects) leaves the metrics, the
+    HTTP server and the guard unimported; start() builds them in a thread while the plugin
+    registers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "meminfo").write_text("MemTotal: 8000000 kB\n")
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cgroup.controllers").write_text("memory\n")
+    code = f"""
+import sys
+from shim.app.cli import build_parser
+from shim.app.config import resolve
+from shim.app.nri_front import NriService
+d = {str(tmp_path)!r}
+cfg = resolve(build_parser().parse_args(["nri", "--nri-socket", d + "/nri.sock", "--kubelet-config", "none",
+    "--cgroup-root", d + "/cg", "--meminfo", d + "/meminfo", "--audit-log", "none", "--kubelet-version", "1.33",
+    "--metrics-address", "127.0.0.1:0"]))
+s = NriService.from_config(cfg)
+print(sorted(m for m in ("prometheus_client", "http.server", "shim.guard.monitor", "shim.evidence.metrics")
+             if m in sys.modules))
+s.build_side()
+print(s.monitor is not None, s.metrics is not None, "prometheus_client" in sys.modules)
+"""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "True True True"]

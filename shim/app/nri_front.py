@@ -10,7 +10,10 @@ container rule is fed by the container states NRI messages carry (StopContainer,
 instead of ContainerStatus polls.
 
 The plugin runs on the main event loop; the heartbeat file (``health-file``) says
-``registered`` while the runtime has the plugin registered, ``connecting`` otherwise.
+``registered`` while the runtime has the plugin registered, ``connecting`` otherwise. Start-up
+order: what answering the runtime needs (settings, node facts, audit, reconciler, handler,
+confirmer) is built first; the plugin then connects and registers while the monitor and the
+metrics -- whose imports registration does not need -- are built in a thread.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ class NriService(Service):
     nri = True
 
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, handler: NriMemoryQoS, reconciler=None,
-                 monitor=None, metrics=None, *, version_pending: bool = False):
+                 monitor=None, metrics=None, *, version_pending: bool = False, cgroup_v2: bool = True):
         from shim.nri.plugin import NriPlugin
 
         self.cfg, self.node, self.kubelet, self.audit = cfg, node, kubelet, audit
@@ -72,6 +75,7 @@ class NriService(Service):
         self.proxy = None
         self.finisher = None  # (serve's call-finisher: the NRI handler's work is in its own calls)
         self.reconciler, self.monitor, self.metrics = reconciler, monitor, metrics
+        self.cgroup_v2 = cgroup_v2
         self.version_pending = version_pending
         self.version_watcher = None
         self.plugin = NriPlugin(handler, index="%02d" % cfg.nri_index, socket_path=cfg.nri_socket)
@@ -116,19 +120,28 @@ class NriService(Service):
                                enqueue=reconciler.submit if reconciler is not None else None,
                                rebuild=listing_rebuild(capacity) if reconciler is not None else None,
                                rollout=rollout, confirmer=confirmer)
-        from shim.guard.monitor import build_monitor
+        # the monitor (guard, reclaim) and the metrics are built in start(), off the loop, once the
+        # plugin is on its way to registering: registration does not need their imports
+        return cls(cfg, node, kubelet, audit, handler, reconciler=reconciler, version_pending=pending,
+                   cgroup_v2=v2)
 
-        monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=handler, reconciler=reconciler,
-                                rollout=rollout) if v2 else None
-        if confirmer is not None and monitor is not None:
-            confirmer.guarded = monitor.has_episode  # the guard's memory.high is left to it
-        metrics = None
-        if cfg.metrics_address:
+    def build_side(self) -> None:
+        """The monitor and the metrics (what registration does not need: their imports --
+        prometheus_client, http.server, the guard -- take a while on a slow node). Run in an
+        executor thread while the plugin connects and registers on the loop."""
+        cfg, handler = self.cfg, self.handler
+        if self.monitor is None and self.cgroup_v2:
+            from shim.guard.monitor import build_monitor
+
+            self.monitor = build_monitor(cfg, self.kubelet, self.audit.emit, container_qos=handler,
+                                         reconciler=self.reconciler, rollout=self.rollout)
+        if handler.confirmer is not None and self.monitor is not None:
+            handler.confirmer.guarded = self.monitor.has_episode  # the guard's memory.high is left to it
+        if self.metrics is None and cfg.metrics_address:
             from shim.evidence.metrics import build_metrics
 
-            metrics = build_metrics(cfg, audit=audit, monitor=monitor, reconciler=reconciler, rollout=rollout)
-        return cls(cfg, node, kubelet, audit, handler, reconciler=reconciler, monitor=monitor, metrics=metrics,
-                   version_pending=pending)
+            self.metrics = build_metrics(cfg, audit=self.audit, monitor=self.monitor, reconciler=self.reconciler,
+                                         rollout=self.rollout)
 
     def state(self) -> str:
         return "registered" if self.plugin.registered else CONNECTING
@@ -149,6 +162,7 @@ class NriService(Service):
         self._watching = asyncio.ensure_future(watch_loop(self.plugin.stats))
         self._running = asyncio.ensure_future(self.plugin.run(self._stop))
         log.info("NRI plugin %02d-%s on %s", self.cfg.nri_index, self.plugin.name, self.cfg.nri_socket)
+        await asyncio.get_running_loop().run_in_executor(None, self.build_side)  # the plugin registers meanwhile
         if self.version_pending:
             from shim.node.kubelet_version import KubeletVersionWatcher
 
