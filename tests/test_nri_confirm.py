@@ -294,3 +294,13 @@ def test_nri_metrics_count_confirmations_call_times_and_loop_stalls(tmp_path):
         finally:
             await service.stop()
     run(main())
+
+
+def test_the_kernels_page_rounding_is_no_difference():
+    from shim.container.nri_confirm import differs
+
+    assert not differs("memory.min", "16482304", "16483353", 4096)  # read back rounded down to a page
+    assert differs("memory.min", "16478208", "16483353", 4096)
+    assert not differs("memory.high", "max", "max", 4096) and differs("memory.high", "max", "124092416", 4096)
+    assert not differs("memory.min", "33554432", "16777216", 4096)  # higher in force: kept
+    assert not differs("memory.low", None, "4096", 4096)  # unreadable: nothing to compare

@@ -26,6 +26,7 @@ no record, only a count.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 WRITE, REPORT, OFF = "write", "report", "off"
 PROTECTION = ("memory.min", "memory.low")
 RETRY = 0.5  # seconds between looks at a container whose cgroup is not there yet
+PAGE = os.sysconf("SC_PAGE_SIZE")  # the kernel keeps memory.* values in pages
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,18 @@ class ConfirmStats:
     outcomes: dict = field(default_factory=dict)
 
 
-def differs(key: str, kernel: str | None, want: str) -> bool:
-    """Whether ``kernel`` (the file's content) misses the decided value ``want``: protection
-    only when it is lower (a value in force above the decision is kept), memory.high when it
-    is anything else."""
+def differs(key: str, kernel: str | None, want: str, page: int = PAGE) -> bool:
+    """Whether ``kernel`` (the file's content) misses the decided value ``want``, as the kernel
+    reads it back (rounded down to a page): protection only when it is lower (a value in force
+    above the decision is kept), memory.high when it is anything else."""
     if kernel is None:
         return False  # unreadable: nothing to compare with (the cgroup's absence is looked at before)
+    have, need = _bytes(kernel), _bytes(want)
+    if need != float("inf"):
+        need = need // page * page
     if key in PROTECTION:
-        return _bytes(kernel) < _bytes(want)
-    return kernel.strip() != want.strip()
+        return have < need
+    return have != need
 
 
 def _bytes(text: str) -> float:

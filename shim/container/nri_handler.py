@@ -381,8 +381,9 @@ class NriMemoryQoS(Handler):
         return self.confirmer.kernel_values(c.id, pod.uid, nf.cgroup_parent(pod, c))
 
     def _confirm(self, pod: pb.PodSandbox, c: pb.Container, keys: Mapping[str, str], method: str) -> None:
-        """Hand the values answered to the confirmer (a put without waiting)."""
-        if self.confirmer is None or not keys:
+        """Hand the values answered to the confirmer (a put without waiting); not in observe,
+        where nothing is answered."""
+        if self.confirmer is None or not keys or self.rollout.observe:
             return
         expected = self._safe(lambda: Expected(c.id, pod.uid, nf.cgroup_parent(pod, c),
                                                f"{pod.namespace}/{pod.name}/{c.name}", MappingProxyType(dict(keys)),
