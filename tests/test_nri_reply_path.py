@@ -137,3 +137,28 @@ print(s.monitor is not None, s.metrics is not None, "prometheus_client" in sys.m
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[]", "True True True"]
+
+
+def test_records_before_the_metrics_are_built_are_counted_once(tmp_path):
+    from prometheus_client import generate_latest
+
+    from tests.test_nri_front import Stack
+
+    st = Stack(tmp_path, extra=("--metrics-address", "127.0.0.1:0"))
+    service = st.service()
+    try:
+        pod = nri_pod("b", UB, "burstable", {"memqos.io/requests": REQ})
+        service.handler.create_container(pod, nri_container("c1", pod, "app", "burstable", request=256 * MI,
+                                                            limit=1024 * MI))
+        assert service.audit.sync(10)
+        assert service.metrics is None
+        service.build_side()  # (start() runs it while the plugin registers)
+        service.handler.create_container(pod, nri_container("c2", pod, "app", "burstable", request=256 * MI,
+                                                            limit=1024 * MI))
+        assert service.audit.sync(10)
+        text = generate_latest(service.metrics.registry).decode()
+        [line] = [x for x in text.splitlines() if x.startswith('memqos_rewrites_total{method="CreateContainer"')]
+        assert line.endswith(" 2.0")
+    finally:
+        service.audit.close()
+        service.reconciler.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from shim.app.config import Config
 from shim.app.service import (Service, kubelet_ownership, log_ownership, protobuf_backend, read_node, say_mode,
@@ -30,6 +31,7 @@ from shim.evidence.audit import AuditLog
 log = logging.getLogger(__name__)
 
 CONNECTING = "connecting"
+EARLY_RECORDS = 100_000  # audit records kept for the metrics until they are built (a bound far above a start)
 
 
 def build_nri_reconciler(cfg: Config, kubelet, node, emit, ownership=None, rollout=None):
@@ -76,6 +78,11 @@ class NriService(Service):
         self.finisher = None  # (serve's call-finisher: the NRI handler's work is in its own calls)
         self.reconciler, self.monitor, self.metrics = reconciler, monitor, metrics
         self.cgroup_v2 = cgroup_v2
+        self._early: list[dict] = []
+        self._early_sink = None
+        self._early_lock = threading.Lock()
+        if metrics is None and cfg.metrics_address:
+            audit.add_listener(self._keep_early)
         self.version_pending = version_pending
         self.version_watcher = None
         self.plugin = NriPlugin(handler, index="%02d" % cfg.nri_index, socket_path=cfg.nri_socket)
@@ -140,8 +147,22 @@ class NriService(Service):
         if self.metrics is None and cfg.metrics_address:
             from shim.evidence.metrics import build_metrics
 
-            self.metrics = build_metrics(cfg, audit=self.audit, monitor=self.monitor, reconciler=self.reconciler,
-                                         rollout=self.rollout)
+            metrics = build_metrics(cfg, monitor=self.monitor, reconciler=self.reconciler, rollout=self.rollout)
+            metrics.audit = self.audit
+            with self._early_lock:  # the records so far, then every later one, each counted once
+                for record in self._early:
+                    metrics.on_audit(record)
+                self._early, self._early_sink = [], metrics.on_audit
+            self.metrics = metrics
+
+    def _keep_early(self, record: dict) -> None:
+        """The audit listener until the metrics exist (on the audit writer's thread): records
+        are kept (at most EARLY_RECORDS) and counted once the metrics are built."""
+        with self._early_lock:
+            if self._early_sink is not None:
+                self._early_sink(record)
+            elif len(self._early) < EARLY_RECORDS:
+                self._early.append(record)
 
     def state(self) -> str:
         return "registered" if self.plugin.registered else CONNECTING
