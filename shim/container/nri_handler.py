@@ -15,7 +15,9 @@ What the runtime tells about pods and containers becomes the node state's typed 
 Synchronize becomes one ``Rebuild`` of the node state, queued before any event after it.
 
 Handlers run on the plugin's event loop while the runtime holds its node-wide lock and waits
-(2 s by default): they only parse, decide and enqueue. Our own problems never become an error
+(2 s by default): they only parse and decide; their audit records, node events and
+confirmations (``shim.container.nri_confirm``: the values answered, looked for in the
+container's cgroup) are handed to their threads once the reply is written (``replied``). Our own problems never become an error
 status (that fails the pod): they are logged and audited (``fail-open``), and the answer is an
 empty adjustment.
 """
