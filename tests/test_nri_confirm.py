@@ -71,6 +71,9 @@ def test_values_that_did_not_land_are_written_and_protection_in_force_is_never_l
               expected(tree, "c2", UE, {"memory.min": str(256 * MI)}, "besteffort")])
     c.now[0] = 1.0
     c.handle([])
+    assert text(tree, missing, "memory.min") == "0"  # one look: the runtime may be about to write them
+    c.now[0] = 2.0
+    c.handle([])
     assert text(tree, missing, "memory.min") == str(256 * MI) and text(tree, missing, "memory.high") == str(900 * MI)
     assert text(tree, higher, "memory.min") == str(300 * MI)  # kept
     [rec] = out
@@ -87,15 +90,17 @@ def test_report_mode_observe_and_the_guards_episode_write_nothing(tmp_path):
         out: list = []
         c = confirmer(tree, out, **kw)
         c.handle([expected(tree, "c1", UB, want)])
-        c.now[0] = 1.0
-        c.handle([])
+        for t in (1.0, 2.0):
+            c.now[0] = t
+            c.handle([])
         assert text(tree, rel, "memory.min") == "0" and text(tree, rel, "memory.high") == "max"
         assert [r["outcome"] for r in out] == ["reported"] and c.stats.reported == 2
     out = []
     c = confirmer(tree, out, guarded=lambda cid: cid == "c1")
     c.handle([expected(tree, "c1", UB, want)])
-    c.now[0] = 1.0
-    c.handle([])
+    for t in (1.0, 2.0):
+        c.now[0] = t
+        c.handle([])
     assert text(tree, rel, "memory.min") == str(256 * MI) and text(tree, rel, "memory.high") == "max"
     assert out[0]["values"]["memory.high"]["action"].startswith("reported: the guard")
 
@@ -304,3 +309,18 @@ def test_the_kernels_page_rounding_is_no_difference():
     assert not differs("memory.high", "max", "max", 4096) and differs("memory.high", "max", "124092416", 4096)
     assert not differs("memory.min", "33554432", "16777216", 4096)  # higher in force: kept
     assert not differs("memory.low", None, "4096", 4096)  # unreadable: nothing to compare
+
+
+def test_values_written_between_two_looks_are_not_counted_as_missing(tmp_path):
+    """A runtime makes the cgroup, then writes its values: the first look may fall in between."""
+    tree = FakeCgroupTree(tmp_path / "cg")
+    rel = container_cgroup(tree, "burstable", UB, "c1")
+    out: list = []
+    c = confirmer(tree, out)
+    c.handle([expected(tree, "c1", UB, {"memory.min": str(256 * MI)})])
+    c.now[0] = 1.0
+    c.handle([])
+    tree.set(rel, "memory.min", 256 * MI)  # the runtime's write
+    c.now[0] = 2.0
+    c.handle([])
+    assert out == [] and (c.stats.confirmed, c.stats.written) == (1, 0) and c.wait_time() is None

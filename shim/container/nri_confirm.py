@@ -7,7 +7,9 @@ without the adjustment. So after each CreateContainer / UpdateContainer adjustme
 Synchronize update, the handler hands the values it decided to ``NriConfirmer``: a side thread
 (``memqos-nri-confirm``) that waits for the container's cgroup to exist, reads memory.min /
 memory.low / memory.high there and, where the kernel holds something else, writes the decided
-value (``nri-confirm: write``) or only reports it (``report``, and in observe):
+value (``nri-confirm: write``) or only reports it (``report``, and in observe), once a second look
+``retry`` seconds after the first still finds it missing (a runtime writes a new cgroup's values
+just after making it):
 
 * memory.min / memory.low are only raised: a value in force above the decision is kept
   (never lower protection in force);
@@ -111,6 +113,7 @@ class NriConfirmer(Worker):
         self.layout: CgroupLayout | None = None
         self.stats = ConfirmStats()
         self._pending: dict[str, tuple[Expected, float, float]] = {}  # id -> (expected, first, next look)
+        self._strikes: set[str] = set()  # containers whose values were missing at the last look
 
     # -- the plugin's side -------------------------------------------------------------------
     def submit(self, expected: Expected) -> bool:
@@ -166,6 +169,7 @@ class NriConfirmer(Worker):
                 self._pending.pop(cid, None)
             elif now - first >= self.window:
                 self._pending.pop(cid, None)
+                self._strikes.discard(cid)
                 self.stats.gave_up += 1
                 self._record(e, "gave-up", {}, f"no cgroup within {self.window:g} s")
             else:
@@ -203,8 +207,15 @@ class NriConfirmer(Worker):
             return False
         wrong = {k: kernel.get(k) for k in keys if differs(k, kernel.get(k), e.values[k])}
         if not wrong:
+            self._strikes.discard(e.container_id)
             self.stats.confirmed += 1
             return True
+        if e.container_id not in self._strikes:
+            # the runtime may be between making the cgroup and writing its values: act only when
+            # a second look, ``retry`` seconds later, still finds them missing
+            self._strikes.add(e.container_id)
+            return False
+        self._strikes.discard(e.container_id)
         changes = {}
         for key, old in wrong.items():
             want = e.values[key]
