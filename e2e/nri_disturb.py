@@ -75,13 +75,6 @@ class Disturbances:
 
         self.s.nri.direct.call("StartContainer", pb.StartContainerRequest(container_id=cid))
 
-    def remove_pod(self, sandbox: str) -> None:
-        from shim.cri import api_pb2 as pb
-
-        cri = self.s.nri.direct
-        cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox))
-        cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox))
-
     def wait_values(self, cids: list[str]) -> float:
         """Until each of these model containers' memory.min reads what is expected (at most
         --settle seconds); the seconds it took."""
@@ -201,8 +194,8 @@ class Disturbances:
                            "cgroupfs")
         self.intended += len(ejections(self.s.logs)) - before
         self.s.note(f"gate-on kubelet: {len(kubelets) * 2} values of 2 containers kept as the kubelet set them")
-        for pod in (p1, p2):
-            self.remove_pod(pod["sandbox"])
+        # the two pods stay (not in the model: no later check counts them; only the bench follows,
+        # and removing pods takes minutes on a slow runtime, docs/testing.md "Stack matrix")
         syncs = len(plugin.events("nri-synchronize"))
         plugin.signal(signal.SIGTERM)
         plugin.args[at] = normal
