@@ -16,6 +16,9 @@ as a plugin of the real containerd, pods created straight at containerd's CRI so
      (containerd times the plugin out and closes it, its log says so), and after SIGCONT the
      plugin reconnects and the new pod gets its values (Synchronize + reconciler);
   5. containerd restarted: the plugin reconnects and registers exactly once;
+     with 2 CPU burners in the guest from 3. to here, plus late registration, an ejection during
+     a burst of creations and a gate-on kubelet (e2e/nri_disturb.py): no ejection but the
+     intended ones, every value right after each;
   6. the CreateContainer latency bench at containerd's CRI socket: no plugin, the plugin, proxy
      mode, in alternating blocks (e2e/nri_bench.py).
 
@@ -260,9 +263,21 @@ class NriScenario:
         self.summary.append(f"values by mode: {sum(r['proxy'] == r['nri'] for r in table)}/{len(table)} equal "
                             "(logs/nri-table.txt)")
 
-        self.kill_restart()
-        self.stopped_plugin()
-        self.containerd_restart()
+        import nri_disturb
+
+        more = nri_disturb.Disturbances(self)
+        more.start_burners()
+        try:
+            self.kill_restart()
+            before = len(nri_disturb.ejections(self.logs))
+            self.stopped_plugin()
+            more.intended += len(nri_disturb.ejections(self.logs)) - before
+            more.late_registration()
+            more.burst_with_ejection()
+            self.containerd_restart()
+            more.gate_on_kubelet()
+        finally:
+            more.stop_burners()
         self.bench()
         self.report.timing("nri:total", time.time() - t_all)
 

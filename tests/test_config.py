@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shim.app.config import OPTIONS, Config, Option, add_arguments, resolve, settings_source
+from shim.app.config import OPTIONS, Config, Option, add_arguments, resolve
+from shim.app.config_doc import settings_source
 from shim.app.settings import FIELDS
 from shim.decision import Policy
 

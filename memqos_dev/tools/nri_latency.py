@@ -148,6 +148,7 @@ def handler_cost(rounds: int = 15, n: int = 1000) -> tuple[float, float]:
 
     def nri():
         proto.serve(ttrpc.Request(PLUGIN_SERVICE, "CreateContainer", payload))
+        handler.replied()  # the hand-over to the side threads, after the reply
         events.clear()
 
     def proxy():

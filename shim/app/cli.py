@@ -188,11 +188,13 @@ def sd_notify(state: str) -> bool:
 #: its --help and its list of tuning keys); a config file may still carry them for both
 ONLY = {
     "serve": frozenset({"listen", "upstream", "socket-group", "socket-mode", "record", "record-max-bytes",
-                        "record-keep", "record-methods", "max-connections", "finish-max-pending",
+                        "record-keep", "record-methods", "max-connections", "max-connections-per-peer",
+                        "finish-max-pending",
                         "h2-max-header-block", "h2-max-continuations", "h2-max-frame-size",
                         "h2-max-concurrent-streams", "h2-reset-rate", "h2-reset-burst", "h2-preface-timeout",
                         "h2-idle-timeout"}),
-    "nri": frozenset({"nri-socket", "nri-index", "health-file"}),
+    "nri": frozenset({"nri-socket", "nri-index", "health-file", "nri-confirm", "nri-confirm-window",
+                      "nri-confirm-queue"}),
 }
 
 

@@ -16,7 +16,6 @@ its type; tests/test_config.py fails when the committed fields are not what the 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import textwrap
@@ -173,6 +172,16 @@ def _log_level(v: Any) -> str:
     t = str(v).strip().lower()
     if t not in LOG_LEVELS:
         raise ConfigError(f"log level must be one of {list(LOG_LEVELS)}, not {v!r}")
+    return t
+
+
+NRI_CONFIRM = ("write", "report", "off")
+
+
+def _nri_confirm(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in NRI_CONFIRM:
+        raise ConfigError(f"nri-confirm must be one of {list(NRI_CONFIRM)}, not {v!r}")
     return t
 
 
@@ -403,6 +412,18 @@ OPTIONS: tuple[Option, ...] = (
            "calls plugins in ascending index order. 50 runs after plugins that pin themselves first "
            "(koordlet: 00) and before nri-plugins' default 90; memqos sets only memory.* unified keys, "
            "which no other plugin may set on the same container anyway", "N"),
+    Option("nri-confirm", "str", "write", _nri_confirm,
+           "`memqos-shim nri`: after each adjustment and Synchronize, read the container's memory.min / "
+           "memory.low / memory.high in its cgroup (a side thread) and, where the value decided did not land "
+           "(a runtime that only updates the stored spec of a container not yet running, an answer the "
+           "runtime dropped), write it (never lowering memory.min / memory.low), or report it (audit and "
+           "count only), or off"),
+    Option("nri-confirm-window", "float", 60.0, _positive_float,
+           "`memqos-shim nri`: seconds a container's values are waited for (its cgroup must appear, i.e. "
+           "the container be created) before the confirmation gives up", "S", where=FILE),
+    Option("nri-confirm-queue", "int", 4096, _positive_int,
+           "`memqos-shim nri`: containers waiting for confirmation at most; beyond, a confirmation is dropped "
+           "and counted", "N", where=FILE),
     Option("monitor-interval", "float", 5.0, _non_negative_float,
            "seconds between samples of every managed container's memory.* files (metrics and the memory.high "
            "guard; read in a side thread, never on the CRI path); 0 turns sampling and the guard off", "S"),
@@ -564,33 +585,3 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
             values[attr] = _parse(o, from_file[o.name])
             origin[attr] = "file"
     return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
-
-
-def _literal(value: Any) -> str:
-    """A default as Python source: Policy.HARD, 64 * 1024 * 1024, "auto"."""
-    if isinstance(value, Policy):
-        return f"Policy.{value.name}"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value and value % (1024 * 1024) == 0:
-        return f"{value // (1024 * 1024)} * 1024 * 1024"
-    return repr(value)
-
-
-BEGIN_FIELDS = "    # -- fields generated from OPTIONS by scripts/gen-config: begin\n"
-END_FIELDS = "    # -- fields generated from OPTIONS by scripts/gen-config: end\n"
-
-
-def settings_source(text: str, options: tuple[Option, ...] = OPTIONS) -> str:
-    """`text` (shim/app/settings.py) with the Config fields between its BEGIN_FIELDS and
-    END_FIELDS lines made anew from the options table; the rest of the file is kept as it is."""
-    head, begin, rest = text.partition(BEGIN_FIELDS)
-    _, end, tail = rest.partition(END_FIELDS)
-    if not begin or not end:
-        raise ValueError("settings.py: the lines that mark the generated fields are missing")
-    body = []
-    for o in options:
-        said = f"--{o.name}" if o.where == FLAG else f"{o.name} (config file only)"
-        body += textwrap.wrap(f"{said}: {o.help}", 100, initial_indent="    #: ", subsequent_indent="    #: ")
-        body.append(f"    {o.name.replace('-', '_')}: {o.type} = {_literal(o.default)}")
-    return head + begin + "\n".join(body) + "\n" + end + tail

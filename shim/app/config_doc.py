@@ -1,4 +1,5 @@
-"""docs/configuration.md's table of settings, made from the options table OPTIONS.
+"""What is generated from the options table OPTIONS: docs/configuration.md's table of settings
+and the field block of shim/app/settings.py (``settings_source``).
 
 `scripts/gen-config` writes the rows between the page's BEGIN_TABLE and END_TABLE lines anew
 (the prose around them is kept), as it writes the field block of shim/app/settings.py;
@@ -6,6 +7,8 @@ tests/test_config.py fails when the committed page is not what this makes.
 """
 from __future__ import annotations
 
+import json
+import textwrap
 from typing import Any
 
 from shim.app.config import FLAG, OPTIONS, Option
@@ -67,3 +70,33 @@ def configuration_doc(text: str, options: tuple[Option, ...] = OPTIONS) -> str:
     if not begin or not end:
         raise ValueError("configuration.md: the lines that mark the generated table are missing")
     return head + begin + "\n".join(table_rows(options)) + "\n" + end + tail
+
+
+def _literal(value: Any) -> str:
+    """A default as Python source: Policy.HARD, 64 * 1024 * 1024, "auto"."""
+    if isinstance(value, Policy):
+        return f"Policy.{value.name}"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value and value % (1024 * 1024) == 0:
+        return f"{value // (1024 * 1024)} * 1024 * 1024"
+    return repr(value)
+
+
+BEGIN_FIELDS = "    # -- fields generated from OPTIONS by scripts/gen-config: begin\n"
+END_FIELDS = "    # -- fields generated from OPTIONS by scripts/gen-config: end\n"
+
+
+def settings_source(text: str, options: tuple[Option, ...] = OPTIONS) -> str:
+    """`text` (shim/app/settings.py) with the Config fields between its BEGIN_FIELDS and
+    END_FIELDS lines made anew from the options table; the rest of the file is kept as it is."""
+    head, begin, rest = text.partition(BEGIN_FIELDS)
+    _, end, tail = rest.partition(END_FIELDS)
+    if not begin or not end:
+        raise ValueError("settings.py: the lines that mark the generated fields are missing")
+    body = []
+    for o in options:
+        said = f"--{o.name}" if o.where == FLAG else f"{o.name} (config file only)"
+        body += textwrap.wrap(f"{said}: {o.help}", 100, initial_indent="    #: ", subsequent_indent="    #: ")
+        body.append(f"    {o.name.replace('-', '_')}: {o.type} = {_literal(o.default)}")
+    return head + begin + "\n".join(body) + "\n" + end + tail

@@ -35,12 +35,13 @@ def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_ro
 VERSION_PENDING = "auto: not known yet, `kubelet --version` runs in the background"
 
 
-def kubelet_ownership(cfg: Config, kubelet, version=None):
+def kubelet_ownership(cfg: Config, kubelet, version=None, *, nri: bool = False):
     """(KubeletWrites, Ownership, how the version was found, whether it is still to be found)
     for this node: the kubelet's version (--kubelet-version, or ``version`` when given), what it
     writes itself, and who owns each value. With 'auto' nothing is run here: until the
     background search (shim.node.kubelet_version) finds the version, the ownership is the
-    conservative one of an unknown version."""
+    conservative one of an unknown version. ``nri``: NRI mode's ownership (container keys the
+    kubelet writes stay the kubelet's, shim.node.kubelet.ownership)."""
     from shim.node.kubelet import detect_kubelet_version, kubelet_writes, ownership
 
     pending = False
@@ -51,7 +52,7 @@ def kubelet_ownership(cfg: Config, kubelet, version=None):
     else:
         version, how = detect_kubelet_version(cfg.kubelet_version)
     writes = kubelet_writes(kubelet, version)
-    return writes, ownership(writes, cfg.policy), how, pending
+    return writes, ownership(writes, cfg.policy, nri=nri), how, pending
 
 
 def read_node(cfg: Config):
@@ -118,6 +119,8 @@ def protobuf_backend() -> str:
 
 
 class Service:
+    nri = False  # NRI mode (shim.app.nri_front): container keys the kubelet writes are the kubelet's
+
     def __init__(self, cfg: Config, node, kubelet, audit: AuditLog, container_qos: ContainerMemoryQoS,
                  recorder=None, reconciler=None, monitor=None, metrics=None, *, version_pending: bool = False,
                  update_follower=None):
@@ -296,7 +299,7 @@ class Service:
         from shim.guard.monitor import guard_for_ownership
 
         before = self.container_qos.ownership
-        writes, owners, _, _ = kubelet_ownership(self.cfg, self.kubelet, version)
+        writes, owners, _, _ = kubelet_ownership(self.cfg, self.kubelet, version, nri=self.nri)
         changed = {what: {"from": before.owners[what], "to": who, "why": owners.reasons[what]}
                    for what, who in owners.owners.items() if before is not None and before.owners[what] != who}
         self.version_pending = False

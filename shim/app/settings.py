@@ -172,6 +172,19 @@ class Config:
     #: pin themselves first (koordlet: 00) and before nri-plugins' default 90; memqos sets only
     #: memory.* unified keys, which no other plugin may set on the same container anyway
     nri_index: int = 50
+    #: --nri-confirm: `memqos-shim nri`: after each adjustment and Synchronize, read the container's
+    #: memory.min / memory.low / memory.high in its cgroup (a side thread) and, where the value
+    #: decided did not land (a runtime that only updates the stored spec of a container not yet
+    #: running, an answer the runtime dropped), write it (never lowering memory.min / memory.low),
+    #: or report it (audit and count only), or off
+    nri_confirm: str = "write"
+    #: nri-confirm-window (config file only): `memqos-shim nri`: seconds a container's values are
+    #: waited for (its cgroup must appear, i.e. the container be created) before the confirmation
+    #: gives up
+    nri_confirm_window: float = 60.0
+    #: nri-confirm-queue (config file only): `memqos-shim nri`: containers waiting for confirmation
+    #: at most; beyond, a confirmation is dropped and counted
+    nri_confirm_queue: int = 4096
     #: --monitor-interval: seconds between samples of every managed container's memory.* files
     #: (metrics and the memory.high guard; read in a side thread, never on the CRI path); 0 turns
     #: sampling and the guard off

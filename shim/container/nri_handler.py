@@ -15,7 +15,9 @@ What the runtime tells about pods and containers becomes the node state's typed 
 Synchronize becomes one ``Rebuild`` of the node state, queued before any event after it.
 
 Handlers run on the plugin's event loop while the runtime holds its node-wide lock and waits
-(2 s by default): they only parse, decide and enqueue. Our own problems never become an error
+(2 s by default): they only parse and decide; their audit records, node events and
+confirmations (``shim.container.nri_confirm``: the values answered, looked for in the
+container's cgroup) are handed to their threads once the reply is written (``replied``). Our own problems never become an error
 status (that fails the pod): they are logged and audited (``fail-open``), and the answer is an
 empty adjustment.
 """
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
+from shim.container.nri_confirm import Expected
 from shim.container.rewriter import ContainerMemoryQoS, KnownContainer, container_note
 from shim.decision import OWNED_KEYS, Decision, NodeFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.decision.memory import NEUTRAL, kernel_values
@@ -41,6 +45,19 @@ log = logging.getLogger(__name__)
 # sandboxes stopping, and containers stopping (their finish time: the init-container rule)
 NRI_EVENTS = DEFAULT_EVENTS | {pb.STOP_POD_SANDBOX, pb.STOP_CONTAINER}
 MAX_CONTAINERS_PER_POD = 1024  # containers of one pod followed as running (a bound, far above any pod)
+
+
+def keep_in_force(keys: dict[str, str], in_force: Mapping[str, str | None]) -> dict[str, str]:
+    """Drop from ``keys`` each memory.min / memory.low the cgroup already holds at or above the
+    value decided (a value in force is never lowered); what was kept -> its value."""
+    kept = {}
+    for key in ("memory.min", "memory.low"):
+        want, have = keys.get(key), (in_force.get(key) or "").strip()
+        if want is not None and have.isascii() and have.isdigit() and want.isdigit() and int(have) >= int(want):
+            if int(have) > int(want):
+                kept[key] = have
+            del keys[key]
+    return kept
 
 
 def adjustment_keys(decision: Decision, kubelet_owns: Mapping[str, str]) -> dict[str, str]:
@@ -66,15 +83,22 @@ class NriMemoryQoS(Handler):
     def __init__(self, node: NodeFacts, policy: Policy, emit: Callable[[dict], None], *,
                  enqueue: Callable[[Any], None] | None = None, ownership=None, enabled: bool = True,
                  disabled_reason: str = "", rebuild: Callable[[list], Any] | None = None,
-                 clock: Callable[[], int] = time.time_ns, rollout: Rollout | None = None):
+                 clock: Callable[[], int] = time.time_ns, rollout: Rollout | None = None, confirmer=None):
+        # while a runtime call is answered: what goes to the side threads (audit records, node
+        # events, confirmations), handed over once the reply is written (``replied``), so no
+        # thread wakes up to compete with the reply for the interpreter
+        self._after: list[Callable[[], Any]] | None = None
         # the decision and its audit record are the rewriter's, as they are in proxy mode
-        self.qos = ContainerMemoryQoS(node, policy, emit, enabled=enabled, disabled_reason=disabled_reason,
+        self.qos = ContainerMemoryQoS(node, policy, self._emit, enabled=enabled, disabled_reason=disabled_reason,
                                       ownership=ownership, rollout=rollout)
         self.rollout = self.qos.rollout
-        self._emit = emit
+        self._emit_now = emit
         self._enqueue = enqueue
         self._rebuild = rebuild  # events of a Synchronize -> the reconciler's queue item
         self._clock = clock
+        # shim.container.nri_confirm.NriConfirmer: the values answered are confirmed in the kernel
+        # (submit: a put, never a wait), and the kernel's values read at Synchronize
+        self.confirmer = confirmer
         self.containers: dict[str, KnownContainer] = self.qos.containers
         # sandbox id -> containers created and not stopped (for _running_beside)
         self.running: dict[str, set[str]] = {}
@@ -107,6 +131,8 @@ class NriMemoryQoS(Handler):
         done = self._clock()
         self._event(lambda: nf.container_created(pod, container, unified, annotations, start, done, facts=facts))
         self._running_beside(pod.id or container.pod_sandbox_id, container.id, done)
+        if adjust is not None:
+            self._confirm(pod, container, adjust.linux.resources.unified, "CreateContainer")
         return None if observe else adjust
 
     def _running_beside(self, sandbox_id: str, cid: str, at: int) -> None:
@@ -124,10 +150,12 @@ class NriMemoryQoS(Handler):
             running.add(cid)
 
     def _create(self, pod: pb.PodSandbox, container: pb.Container, method: str = "CreateContainer", *,
-                observe: bool = False, start: int | None = None):
+                observe: bool = False, start: int | None = None, in_force: Mapping[str, str | None] | None = None):
         """The decision for one container and its adjustment; with ``start`` (the clock when the
         runtime's call reached the handler) the audit record carries ``handler_us``, the handler's
-        own time up to the record: facts, decision and the adjustment built."""
+        own time up to the record: facts, decision and the adjustment built. ``in_force``: an
+        existing container's memory.* files as its cgroup holds them; a memory.min / memory.low
+        there at or above the decision is kept (left out of the adjustment: never lowered)."""
         qos = self.qos
         facts = nf.pod_facts(pod, container)
         kubelet = nf.container_facts(container)
@@ -139,6 +167,7 @@ class NriMemoryQoS(Handler):
         owns = qos.kubelet_keys
         decision = decide(facts, kubelet, qos.node, qos.policy, kubelet_owns=owns)
         keys = adjustment_keys(decision, owns)
+        kept = keep_in_force(keys, in_force) if in_force else {}
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
                               facts.cgroup_parent)
         adjust = pb.ContainerAdjustment()
@@ -154,6 +183,7 @@ class NriMemoryQoS(Handler):
                                                        max(0, decision.limit))
         self._emit(tag({**self._base(method, pod, container), **qos.describe(decision, owns),
                         "event": "rewrite" if keys else "unchanged", "adjust": keys,
+                        **({"kept_in_force": kept} if kept else {}),
                         **({"handler_us": (self._clock() - start) // 1000} if start is not None else {})},
                        observe))
         return adjust, {**unified, **keys}, {**annotations, CONTAINER_ANNOTATION: note}, (facts, kubelet)
@@ -167,6 +197,8 @@ class NriMemoryQoS(Handler):
             self._failed("UpdateContainer", pod, container, e, observe)
             update, unified = (), resources.unified
         self._event(lambda: nf.container_updated(container.id, unified, resources.unified, resources))
+        for u in update:
+            self._confirm(pod, container, u.linux.resources.unified, "UpdateContainer")
         return () if observe else update
 
     def _update(self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources,
@@ -243,13 +275,15 @@ class NriMemoryQoS(Handler):
             if CONTAINER_ANNOTATION in annotations:
                 self._safe(lambda: self._remember(pod, c))
             elif c.state != pb.CONTAINER_STOPPED:
-                made = self._safe(lambda: self._create(pod, c, "Synchronize", observe=observe), "Synchronize", pod, c,
-                                  observe=observe)
+                made = self._safe(lambda: self._create(pod, c, "Synchronize", observe=observe,
+                                                       in_force=self._in_force(pod, c)),
+                                  "Synchronize", pod, c, observe=observe)
                 if made is not None:
                     adjust, unified, annotations, _ = made
                     keys = dict(adjust.linux.resources.unified) if adjust is not None else {}
                     if keys:
                         updates.append(unified_update(c.id, keys))
+                        self._confirm(pod, c, keys, "Synchronize")
             for make in (lambda: nf.container_created(pod, c, unified, annotations, now, now),
                          lambda: nf.container_seen(c, now, now)):
                 e = self._safe(make)
@@ -320,5 +354,49 @@ class NriMemoryQoS(Handler):
 
     def _put(self, item: Any) -> None:
         if self._enqueue is not None:
-            self._enqueue(item)
+            self._later(self._enqueue, item)
+
+    def _emit(self, record: dict) -> None:
+        self._later(self._emit_now, record)
+
+    def _later(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        if self._after is None:
+            fn(arg)
+        else:
+            self._after.append(partial(fn, arg))
+
+    def answering(self) -> None:
+        """A runtime call is being answered: hand-overs wait for ``replied`` (those of an earlier
+        call whose reply was never reported, e.g. a caller without a socket, go first)."""
+        if self._after:
+            self.replied()
+        self._after = []
+
+    def replied(self) -> None:
+        """The reply is written: the call's audit records, node events and confirmations go to
+        their threads now, in the order they were made."""
+        after, self._after = self._after or [], None
+        for fn in after:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a full queue or a closed writer must not stop the rest
+                log.exception("NRI: handing over after the reply failed")
+
+    def _in_force(self, pod: pb.PodSandbox, c: pb.Container) -> Mapping[str, str | None] | None:
+        """The container's memory.* files in its cgroup (cgroupfs reads, no disk), None when
+        unknown (no confirmer, no cgroup, a refused path)."""
+        if self.confirmer is None or not self.qos.enabled:
+            return None
+        return self.confirmer.kernel_values(c.id, pod.uid, nf.cgroup_parent(pod, c))
+
+    def _confirm(self, pod: pb.PodSandbox, c: pb.Container, keys: Mapping[str, str], method: str) -> None:
+        """Hand the values answered to the confirmer (a put without waiting); not in observe,
+        where nothing is answered."""
+        if self.confirmer is None or not keys or self.rollout.observe:
+            return
+        expected = self._safe(lambda: Expected(c.id, pod.uid, nf.cgroup_parent(pod, c),
+                                               f"{pod.namespace}/{pod.name}/{c.name}", MappingProxyType(dict(keys)),
+                                               method))
+        if expected is not None:
+            self._later(self.confirmer.submit, expected)
 

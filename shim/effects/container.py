@@ -10,24 +10,58 @@ compare-and-write: the file must still hold what the decision saw.
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable
 
 from shim.effects.cgroupfs import CgroupTree, PathRefused
+from shim.effects.layout import SYSTEMD, CgroupLayout
 
 READ_FILES = ("memory.current", "memory.min", "memory.low", "memory.high", "memory.max",
               "memory.events", "memory.pressure")
 RECLAIM_READ_FILES = READ_FILES + ("memory.stat",)  # what the monitor reads with reclaim on
 WRITE_FILES = frozenset({"memory.high"})
 SETTLE_FILES = ("memory.min", "memory.low", "memory.high")  # in this order
+VALUE_FILES = frozenset({"memory.min", "memory.low", "memory.high"})  # what the NRI confirmer writes
+CONTAINER_ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
 _MAX_READ = 4096
 _MAX_READ_STAT = 16384  # memory.stat: ~50 lines on 6.x kernels
 
 
+def container_names(driver: str, cid: str) -> tuple[str, ...]:
+    """The directory names a container's cgroup may have below its pod's: systemd
+    ``cri-containerd-<id>.scope`` / ``crio-<id>.scope``, cgroupfs ``<id>`` / ``crio-<id>``.
+    PathRefused when the id does not look like an id."""
+    if not CONTAINER_ID.match(cid or ""):
+        raise PathRefused(f"container id {str(cid)[:80]!r} is not an id")
+    if driver == SYSTEMD:
+        return f"cri-containerd-{cid}.scope", f"crio-{cid}.scope"
+    return cid, f"crio-{cid}"
+
+
+def container_dir(fs: "ContainerCgroups", layout: CgroupLayout, cid: str, uid: str, cgroup_parent: str) -> str | None:
+    """The container's cgroup directory (relative), None while it does not exist. The pod's
+    directory is built from the driver, its QoS class and uid (``pod_from_parent``), never
+    taken from request data as is; PathRefused for data that does not make a valid path."""
+    _, pod_path = layout.pod_from_parent(cgroup_parent, uid)
+    for name in container_names(layout.driver, cid):
+        rel = f"{pod_path}/{name}"
+        fs.check(rel)
+        if fs.is_dir(rel):
+            return rel
+    return None
+
+
 class ContainerCgroups(CgroupTree):
-    """Reads of memory.* files and writes of memory.high, below ``root``, only strictly inside
-    the ``allowed`` subtrees (relative paths), never through a symlink (CgroupTree)."""
+    """Reads of memory.* files and writes of ``write_files`` (memory.high unless told), below
+    ``root``, only strictly inside the ``allowed`` subtrees (relative paths), never through a
+    symlink (CgroupTree)."""
 
     strictly_below = True
+
+    def __init__(self, root: str, allowed: Iterable[str] = (), *, rollout=None,
+                 write_files: frozenset = WRITE_FILES):
+        super().__init__(root, allowed, rollout=rollout)
+        self.write_files = frozenset(write_files) & VALUE_FILES
 
     def is_dir(self, rel: str) -> bool:
         """False when missing; PathRefused for a symlink (or a file) on the way."""
@@ -63,8 +97,8 @@ class ContainerCgroups(CgroupTree):
         ValueError otherwise. Returns what the file held. ``observe`` (default: the rollout's
         mode at the call): read only, write nothing, and no ``expect`` check (in observe the file holds
         what the container really runs with, not what an earlier would-write left)."""
-        if name not in WRITE_FILES:
-            raise PathRefused(f"{name!r} is not a file the monitor writes")
+        if name not in self.write_files:
+            raise PathRefused(f"{name!r} is not a file this writer writes")
         if value != "max" and not (value.isascii() and value.isdigit()):
             raise ValueError(f"bad memory value {value!r}")
         if observe is None:

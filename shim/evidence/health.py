@@ -31,8 +31,8 @@ READY_STATE = "registered"
 
 
 class Heartbeat:
-    """Writes the heartbeat file. ``beat(state)`` from the event loop; ``run(state_fn)`` is a
-    task that beats every ``interval`` seconds until cancelled, then removes the file."""
+    """Writes the heartbeat file. ``beat(state)`` once at start; ``run(state_fn)`` is a task that
+    beats every ``interval`` seconds (off the loop) until cancelled, then removes the file."""
 
     def __init__(self, path: str, interval: float = 5.0, clock: Callable[[], float] = time.time):
         self.path = path
@@ -72,12 +72,19 @@ class Heartbeat:
             return False
 
     async def run(self, state_fn: Callable[[], str]) -> None:
+        """Beat every ``interval`` seconds; the file is written in the loop's default executor,
+        so a slow file system never holds up the loop (the NRI plugin answers the runtime there)."""
+        loop = asyncio.get_running_loop()
+        writing = None
         try:
             while True:
-                self.beat(state_fn())
+                writing = loop.run_in_executor(None, self.beat, state_fn())
+                await writing
                 await asyncio.sleep(self.interval)
         finally:
             self.clear()
+            if writing is not None and not writing.done():  # a write still under way: removed after it
+                writing.add_done_callback(lambda _f: self.clear())
 
     def clear(self) -> None:
         """Remove the file, if it is still the one this heartbeat wrote."""

@@ -244,6 +244,35 @@ class _LiveCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
+        g = GaugeMetricFamily("memqos_nri_loop_lag_seconds_max", "the longest the plugin's event loop was held "
+                              "up (a runtime call's bytes wait unread as long)")
+        g.add_metric([], float(st.loop_lag_max))
+        yield g
+        c = CounterMetricFamily("memqos_nri_loop_stalls", "times the plugin's event loop was held up over 0.1 s")
+        c.add_metric([], float(st.loop_stalls))
+        yield c
+        calls = CounterMetricFamily("memqos_nri_calls", "runtime calls answered, by method", labels=["method"])
+        total = CounterMetricFamily("memqos_nri_call_seconds", "time of the runtime's calls by part: handler (from "
+                                    "the request read to the answer made), write (to the reply written), after (the "
+                                    "hand-over to the side threads once the reply is out)", labels=["method", "part"])
+        most = GaugeMetricFamily("memqos_nri_call_seconds_max", "the longest of each part of a runtime call",
+                                 labels=["method", "part"])
+        for method, t in sorted(st.protocol.times.items()):
+            calls.add_metric([method], float(t.count))
+            for part in ("handler", "write", "after"):
+                total.add_metric([method, part], getattr(t, part))
+                most.add_metric([method, part], getattr(t, part + "_max"))
+        yield from (calls, total, most)
+        confirmer = getattr(plugin.handler, "confirmer", None)
+        if confirmer is not None:
+            cs = confirmer.stats
+            c = CounterMetricFamily("memqos_nri_confirm", "containers' values looked at in their cgroup after an NRI "
+                                    "answer, by outcome: confirmed (every value in place), written / reported (one "
+                                    "per value that had not landed), gave_up (no cgroup within nri-confirm-window), "
+                                    "dropped (nri-confirm-queue full), refused (no valid path)", labels=["outcome"])
+            for outcome in ("confirmed", "written", "reported", "gave_up", "dropped", "refused", "errors"):
+                c.add_metric([outcome], float(getattr(cs, outcome)))
+            yield c
 
     @staticmethod
     def _transport(t):

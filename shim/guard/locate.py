@@ -6,33 +6,18 @@ it from the runtime's naming -- cgroupfs ``<pod>/<id>`` (containerd) or ``<pod>/
 exists. The id must look like an id. Used by the monitor and by the writes after an update."""
 from __future__ import annotations
 
-import re
-
 from shim.effects.cgroupfs import PathRefused
 from shim.effects.container import ContainerCgroups
-from shim.effects.layout import SYSTEMD, CgroupLayout, detect_driver
+from shim.effects.container import container_dir as _container_dir
+from shim.effects.layout import CgroupLayout, detect_driver
 from shim.node.facts import KubeletFacts, is_cgroup_v2
 from shim.node.view import ContainerRef
-
-_ID = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_.-]{0,127}$")
 
 
 def container_dir(fs: ContainerCgroups, layout: CgroupLayout, ref: ContainerRef) -> str | None:
     """The container's cgroup directory (relative to the cgroup root), None while it does not
     exist. PathRefused for request data that does not make a valid path."""
-    if not _ID.match(ref.id or ""):
-        raise PathRefused(f"container id {ref.id[:80]!r} is not an id")
-    _, pod_path = layout.pod_from_parent(ref.cgroup_parent, ref.uid)
-    if layout.driver == SYSTEMD:
-        names = (f"cri-containerd-{ref.id}.scope", f"crio-{ref.id}.scope")
-    else:
-        names = (ref.id, f"crio-{ref.id}")
-    for name in names:
-        rel = f"{pod_path}/{name}"
-        fs.check(rel)
-        if fs.is_dir(rel):
-            return rel
-    return None
+    return _container_dir(fs, layout, ref.id, ref.uid, ref.cgroup_parent)
 
 
 def node_layout(cgroup_root: str, kubelet: KubeletFacts, current: CgroupLayout | None) -> tuple[CgroupLayout | None, str]:

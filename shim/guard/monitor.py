@@ -184,6 +184,11 @@ class Monitor(Worker):
     def on_active(self) -> None:
         log.info("monitor: sampling containers every %g s under %s", self.interval, self.cgroup_root)
 
+    def has_episode(self, container_id: str) -> bool:
+        """Whether the guard has an episode open for the container (its memory.high is the
+        guard's until the episode ends). Safe from any thread."""
+        return container_id in self._last_ref
+
     def refs(self) -> list[ContainerRef]:
         seen: dict[str, ContainerRef] = {}
         for source in self.sources:

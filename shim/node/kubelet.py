@@ -289,7 +289,26 @@ class Ownership:
         return {k: {"owner": self.owners[k], "why": self.reasons[k]} for k in LABELS}
 
 
-def ownership(writes: KubeletWrites, policy: Policy) -> Ownership:
+NRI_KEEPS = ("NRI mode: the kubelet writes this container key itself and the runtime's NRI may not show its "
+             "value (containerd < 2.2 hands plugins an empty unified map), so the plugin leaves it to the kubelet")
+
+
+def ownership(writes: KubeletWrites, policy: Policy, *, nri: bool = False) -> Ownership:
+    """Who owns each value. ``nri`` (NRI mode): a container key the kubelet writes is the
+    kubelet's whatever its version. A plugin cannot reuse the kubelet's request exactly as the
+    proxy does (on containerd < 2.2 it never sees it), so an estimate of its own would replace
+    -- and could lower -- the kubelet's value; the keys are left out of every adjustment."""
+    owned = _ownership(writes, policy)
+    if not nri:
+        return owned
+    owners, reasons = dict(owned.owners), dict(owned.reasons)
+    for what, writes_it in ((CONTAINER_PROTECTION, writes.writes_protection), (CONTAINER_HIGH, writes.writes_high)):
+        if writes_it and owners[what] != KUBELET:
+            owners[what], reasons[what] = KUBELET, f"{NRI_KEEPS} ({writes.summary()})"
+    return Ownership(owners, reasons, writes)
+
+
+def _ownership(writes: KubeletWrites, policy: Policy) -> Ownership:
     owners: dict[str, str] = {}
     reasons: dict[str, str] = {}
 

@@ -53,6 +53,12 @@ class Handler:
     def disconnected(self, reason: str) -> None:
         """The connection to the runtime is gone; events may be missed until the next sync."""
 
+    def answering(self) -> None:
+        """A runtime call reached the plugin (before its handler method runs)."""
+
+    def replied(self) -> None:
+        """The reply to the call is written to the socket: work that need not delay it goes now."""
+
 
 def unified_resources(unified: Mapping[str, str]) -> pb.LinuxResources:
     res = pb.LinuxResources()

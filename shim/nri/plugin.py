@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import re
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -70,11 +71,36 @@ def register_request(name: str, index: str) -> bytes:
 
 
 @dataclass
+class CallTimes:
+    """One method's calls: seconds from the request's bytes read to the handler's return
+    (``handler``), from there to the reply written (``write``), and the hand-over to the side
+    threads after it (``after``); sums and maxima."""
+
+    count: int = 0
+    handler: float = 0.0
+    handler_max: float = 0.0
+    write: float = 0.0
+    write_max: float = 0.0
+    after: float = 0.0
+    after_max: float = 0.0
+
+    def add(self, handler: float, write: float, after: float) -> None:
+        self.count += 1
+        self.handler += handler
+        self.write += write
+        self.after += after
+        self.handler_max = max(self.handler_max, handler)
+        self.write_max = max(self.write_max, write)
+        self.after_max = max(self.after_max, after)
+
+
+@dataclass
 class ProtocolStats:
     calls: int = 0
     handler_errors: int = 0
     undecodable: int = 0
     unimplemented: int = 0
+    times: dict[str, CallTimes] = field(default_factory=dict)  # per implemented method (a fixed set)
 
 
 class NriProtocol:
@@ -97,6 +123,7 @@ class NriProtocol:
         if request.service != PLUGIN_SERVICE or not (method in self._METHODS or method in LIFECYCLE):
             self.stats.unimplemented += 1
             raise TtrpcStatus(ttrpc.UNIMPLEMENTED, f"{request.service}/{method} is not implemented by {PLUGIN_NAME}")
+        self.handler.answering()
         if method in LIFECYCLE:
             req_type, resp_type, event = LIFECYCLE[method]
             answer = partial(NriProtocol._lifecycle, event=event, resp_type=resp_type)
@@ -115,6 +142,25 @@ class NriProtocol:
             log.exception("NRI %s handler failed: answering with an empty reply", method)
             reply = self._fallback(method, resp_type, message)
         return ttrpc.Response(reply.SerializeToString(deterministic=True))
+
+    def replied(self, request: ttrpc.Request, received: float, decided: float, written: float) -> None:
+        """After the reply is written (TtrpcMux's ``replied``): the handler's hand-overs, then the
+        call's times, per method, and one debug line (received, decided, replied, and what was
+        left of the runtime's deadline when it sent the request)."""
+        try:
+            self.handler.replied()
+        finally:
+            done = time.monotonic()
+            method = request.method
+            if request.service == PLUGIN_SERVICE and (method in self._METHODS or method in LIFECYCLE):
+                times = self.stats.times.get(method)
+                if times is None:
+                    times = self.stats.times[method] = CallTimes()
+                times.add(decided - received, written - decided, done - written)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("NRI %s: handler %.1f ms after the read, reply written %.1f ms later, hand-over %.1f ms; "
+                          "runtime deadline %.0f ms from its send", method, (decided - received) * 1e3,
+                          (written - decided) * 1e3, (done - written) * 1e3, request.timeout_nano / 1e6)
 
     def _fallback(self, method, resp_type, message):
         if method == "Configure":  # still subscribe: being present is what the handler would want
@@ -187,6 +233,32 @@ class PluginStats:
     failures: int = 0  # connections that failed before or during registration
     last_error: str = ""
     protocol: ProtocolStats = field(default_factory=ProtocolStats)
+    loop_lag_max: float = 0.0  # seconds the event loop was held up at most (watch_loop)
+    loop_stalls: int = 0  # times it was held up more than STALL seconds
+
+
+STALL = 0.1  # seconds: a hold-up of the loop worth counting (a runtime call waits as long)
+
+
+async def watch_loop(stats: PluginStats, interval: float = 0.1, say_every: float = 60.0) -> None:
+    """Measure how late the event loop wakes up (a sleep of ``interval`` that takes longer): the
+    time a runtime call's bytes may sit unread while something else holds the loop or the
+    process gets no CPU. Counted in ``stats``; a hold-up above 0.5 s is logged, at most once per
+    ``say_every`` seconds."""
+    loop = asyncio.get_running_loop()
+    said = -say_every
+    while True:
+        t = loop.time()
+        await asyncio.sleep(interval)
+        now = loop.time()
+        lag = now - t - interval
+        if lag > STALL:
+            stats.loop_stalls += 1
+            stats.loop_lag_max = max(stats.loop_lag_max, lag)
+            if lag > 0.5 and now - said >= say_every:
+                said = now
+                log.warning("NRI: the event loop was held up %.2f s (a runtime call waits as long; the runtime "
+                            "drops a plugin whose answer takes over its request timeout, 2 s by default)", lag)
 
 
 class NriPlugin:
@@ -265,7 +337,7 @@ class NriPlugin:
         self.stats.connects += 1
         protocol = NriProtocol(self.handler, self.stats.protocol)
         m = TtrpcMux(reader, writer, serve_conn=PLUGIN_CONN, client_conn=RUNTIME_CONN, handler=protocol.serve,
-                     max_request=MAX_REQUEST)
+                     max_request=MAX_REQUEST, replied=protocol.replied)
         self.protocol, self.mux = protocol, m
         reading = asyncio.ensure_future(m.run())
         try:

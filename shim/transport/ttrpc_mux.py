@@ -6,7 +6,10 @@ calls are in flight, so a peer may call us before it answers our first call. Wha
 mean is the handler's business: this module knows frames, not services.
 
 ``handler(request) -> Response`` is a plain function run on the loop, one request at a time in
-arrival order; a ``TtrpcStatus`` it raises becomes that status, any other exception UNKNOWN
+arrival order, each reply written as soon as it is made; ``replied(request, received, decided,
+written)`` (optional) is called after each reply is handed to the socket, with the
+``time.monotonic()`` at which the request's bytes were read, the handler returned and the reply
+was written; a ``TtrpcStatus`` it raises becomes that status, any other exception UNKNOWN
 (as a Go ttrpc service's error does). Everything written for one message goes out in a single
 ``write`` (frames of two messages never interleave on a connection), cut in mux frames of at
 most 4096 payload bytes. Requests served may be allowed above ttrpc's 4 MiB (``max_request``:
@@ -18,6 +21,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from typing import Callable
 
 from shim.transport.wire import mux, ttrpc
@@ -52,8 +56,10 @@ class TtrpcMux:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, serve_conn: int,
                  client_conn: int, handler: Callable[[ttrpc.Request], ttrpc.Response],
                  max_frame: int = mux.SEND_FRAME, max_incoming_frame: int = mux.MAX_FRAME,
-                 max_request: int = ttrpc.MAX_DATA):
+                 max_request: int = ttrpc.MAX_DATA,
+                 replied: Callable[[ttrpc.Request, float, float, float], None] | None = None):
         self._reader, self._writer = reader, writer
+        self._replied = replied
         self.serve_conn, self.client_conn = serve_conn, client_conn
         self._handler = handler
         self._max_frame = max_frame
@@ -103,9 +109,10 @@ class TtrpcMux:
                 data = await self._reader.read(READ_CHUNK)
                 if not data:
                     break
+                received = time.monotonic()
                 for conn_id, payload in self._demux.receive_data(data):
                     if conn_id == self.serve_conn:
-                        self._served(self._server.receive_data(payload))
+                        self._served(self._server.receive_data(payload), received)
                     else:
                         self._answered(self._client.receive_data(payload))
         except mux.MuxError as e:
@@ -119,10 +126,18 @@ class TtrpcMux:
         finally:
             self.close(reason)
 
-    def _served(self, events: list) -> None:
+    def _served(self, events: list, received: float = 0.0) -> None:
         for event in events:
             if isinstance(event, ttrpc.RequestReceived):
-                self._server.send_response(event.stream_id, self._answer(event.request))
+                response = self._answer(event.request)
+                decided = time.monotonic()
+                self._server.send_response(event.stream_id, response)
+                self._flush(self.serve_conn, self._server)
+                if self._replied is not None:
+                    try:
+                        self._replied(event.request, received, decided, time.monotonic())
+                    except Exception:  # noqa: BLE001 - the reply is out; a bug after it closes nothing
+                        log.exception("ttrpc: after the reply to %s/%s", event.request.service, event.request.method)
             else:
                 log.warning("ttrpc request on stream %d refused: %s", event.stream_id, event.reason)
         self._flush(self.serve_conn, self._server)

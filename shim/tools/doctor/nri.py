@@ -64,10 +64,27 @@ class NriChecks(CheckBase):
                     lines.append(f"cri-o: [crio.nri] enable_nri = {str(value).lower()} (last of {len(read)} files)")
         return lines, on
 
+    def nri_key_lines(self) -> list[str]:
+        """Which container keys `memqos-shim nri` leaves to the kubelet (NRI ownership: every key
+        the kubelet writes itself, whatever its version), one line."""
+        from shim.node.kubelet import ownership
+
+        try:
+            writes, _, _ = self._ownership()
+            keys = ownership(writes, self.cfg.policy, nri=True).kubelet_keys()
+        except Exception as e:  # noqa: BLE001 - the kubelet check says what is wrong with its config
+            return [f"NRI mode: which keys are the kubelet's is not known ({type(e).__name__}: {e})"[:300]]
+        if not keys:
+            return ["NRI mode: the kubelet writes no container memory.min / memory.low / memory.high: the plugin "
+                    "sets them"]
+        return [f"NRI mode: the kubelet's keys, left out of every adjustment: {', '.join(sorted(keys))} "
+                f"({writes.summary()})"]
+
     def check_nri(self) -> Result:
         name = "nri"
         path = self.nri_socket_path()
         config, on = self._runtime_config()
+        config = config + self.nri_key_lines()
         enable = ("to run `memqos-shim nri`: switch NRI on (docs/nri-mode.md, \"Switching NRI on\": "
                   "containerd 1.7 / CRI-O < 1.30) and restart the runtime; proxy mode does not need it")
         try:
