@@ -615,3 +615,26 @@ def test_create_container_record_carries_the_handlers_own_time():
     NriMemoryQoS(NODE, Policy.HARD, records.append, clock=lambda: next(ticks)).create_container(pod, c)
     created = [r for r in records if r.get("method") == "CreateContainer"]
     assert len(created) == 1 and created[0]["handler_us"] == 250
+
+
+def test_a_cpuset_only_update_leaves_the_memory_values_in_force():
+    """The CPU manager's update carries cpuset only (no memory limit): no adjustment, so the
+    runtime keeps the container's limit and memory values; an unknown container the same."""
+    records = []
+    handler = NriMemoryQoS(NODE, Policy.HARD, records.append)
+    annotations = {"memqos.io/requests": REQ}
+    pod = nri_pod("p", "u1", "burstable", annotations)
+    c = nri_container("c1", pod, "app", "burstable", request=256 * MI, limit=1024 * MI)
+    handler.create_container(pod, c)
+    cpuset = pb.LinuxResources()
+    cpuset.cpu.cpus = "0-1"
+    assert list(handler.update_container(pod, c, cpuset)) == []
+    [rec] = [r for r in records if r.get("method") == "UpdateContainer"]
+    assert rec["event"] == "unchanged" and rec["adjust"] == {} and "no memory limit in the update" in rec["reason"]
+    other = nri_container("c2", pod, "app2", "burstable", request=256 * MI, limit=1024 * MI)
+    assert list(handler.update_container(pod, other, cpuset)) == []
+    # a resize with the limit is still decided
+    res = pb.LinuxResources()
+    res.memory.limit.value = 2048 * MI
+    [update] = handler.update_container(pod, c, res)
+    assert update.linux.resources.unified["memory.high"] != NEUTRAL["memory.high"]

@@ -208,6 +208,16 @@ class NriMemoryQoS(Handler):
             return (), resources.unified
         known = self.containers.get(container.id)
         facts = nf.update_facts(container, resources)
+        if facts.limit <= 0 and (known is None or known.limit > 0):
+            # A zero limit is "unchanged" to the runtime (the CPU manager's cpuset-only update) and a
+            # key left out keeps its value: no adjustment, the cgroup keeps the memory values in force
+            # (docs/decisions.md, "An update without a memory limit").
+            why = (f"no memory limit in the update: the runtime keeps the container's {known.limit} and the memory "
+                   "values in force" if known is not None else
+                   "container not seen before and no memory limit in the update: nothing to decide from (fail open)")
+            self._emit(tag({**self._base("UpdateContainer", pod, container), "event": "unchanged", "adjust": {},
+                            "reason": why}, observe))
+            return (), resources.unified
         override = None
         if known is not None:
             kubelet_value = any(facts.unified.get(k, "0") not in ("", "0") for k in ("memory.min", "memory.low"))
@@ -221,9 +231,8 @@ class NriMemoryQoS(Handler):
         decision = decide(nf.pod_facts(pod, container), facts, qos.node, qos.policy, override, reset_absent=True,
                           kubelet_owns=owns)
         keys = adjustment_keys(decision, owns)
-        if known is not None and not observe and not (known.limit > 0 and facts.limit <= 0):
-            # what the cgroup is to hold once the runtime applied it (not from an update without the
-            # container's memory limit: the runtime keeps the limit)
+        if known is not None and not observe:
+            # what the cgroup is to hold once the runtime applied it
             self.containers[container.id] = known._replace(unified=MappingProxyType(kernel_values(decision, owns)),
                                                            limit=max(0, facts.limit))
         self._emit(tag({**self._base("UpdateContainer", pod, container), **qos.describe(decision, owns),
