@@ -167,11 +167,9 @@ class Disturbances:
         path = os.path.join(G.RUN, "nri", "kubelet-config-gate-on.yaml")
         with open(path, "w") as f:
             json.dump(kc, f)
-        at = plugin.args.index("--kubelet-config") + 1
-        normal = plugin.args[at]
         syncs = len(plugin.events("nri-synchronize"))
         plugin.signal(signal.SIGTERM)
-        plugin.args[at] = path
+        normal = plugin.use_kubelet_config(path)
         plugin.start()
         plugin.wait_synced(syncs + 1)
         kubelets = {"memory.min": str(40 * 2**20), "memory.high": str(100 * 2**20)}  # the kubelet's own values
@@ -198,6 +196,6 @@ class Disturbances:
         # and removing pods takes minutes on a slow runtime, docs/testing.md "Stack matrix")
         syncs = len(plugin.events("nri-synchronize"))
         plugin.signal(signal.SIGTERM)
-        plugin.args[at] = normal
+        plugin.use_kubelet_config(normal)
         plugin.start()
         plugin.wait_synced(syncs + 1)

@@ -170,6 +170,7 @@ class ImagePlugin(Plugin):
         self.spec = translate(docs, {"/var/lib/kubelet/config.yaml": kubelet_config},
                               {"audit-log": f"{AUDIT_DIR}/nri-audit.jsonl", "meminfo": MEMINFO}, self.work)
         self.extra = [{"src": logs, "dst": AUDIT_DIR, "ro": False}, {"src": meminfo, "dst": MEMINFO, "ro": True}]
+        self.kubelet_config = kubelet_config
         t = time.time()
         p = self.ctr("images", "import", self.info["archive"], timeout=900)
         if p.returncode != 0:
@@ -196,6 +197,16 @@ class ImagePlugin(Plugin):
         if not pids:
             raise G.InfraError(f"ctr run of {self.spec['image']}: no task {CID}")
         self.proc = Task(self, pids[0])
+
+    def use_kubelet_config(self, path: str) -> str:
+        """Bind ``path`` where the DaemonSet mounts the kubelet's config, from the next start on;
+        returns the file bound before."""
+        before = self.kubelet_config
+        for m in self.spec["mounts"]:
+            if m["src"] == before:
+                m["src"] = path
+        self.kubelet_config = path
+        return before
 
     def status(self) -> dict:
         """CapEff and NoNewPrivs of the running plugin process (/proc/PID/status)."""

@@ -55,6 +55,12 @@ class Plugin:
     def events(self, event: str) -> list[dict]:
         return [r for r in G.read_audit(self.audit_log) if r.get("event") == event]
 
+    def use_kubelet_config(self, path: str) -> str:
+        """Read the KubeletConfiguration at ``path`` from the next start on; returns the one before."""
+        at = self.args.index("--kubelet-config") + 1
+        before, self.args[at] = self.args[at], path
+        return before
+
     def start(self) -> None:
         with open(self.log, "a") as f:
             f.write(f"==== start t+{time.time() - G.T0:.1f}s: {self.python} -m shim {' '.join(self.args)}\n")

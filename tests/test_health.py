@@ -109,3 +109,32 @@ def test_the_heartbeat_replaces_and_removes_only_its_own_file(tmp_path):
     hb.clear()
     assert not own.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["health.json", "link.json"]
+
+
+def test_a_registration_is_written_at_once_not_a_heartbeat_later(tmp_path):
+    """A readiness probe right after the plugin registered sees it: the state is looked at
+    between two heartbeats, and a change is written then (not up to `interval` later)."""
+    f = tmp_path / "health.json"
+    state = {"now": "connecting"}
+
+    async def main():
+        hb = Heartbeat(str(f), interval=60.0)
+        task = asyncio.create_task(hb.run(lambda: state["now"]))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if f.exists():
+                break
+        assert json.loads(f.read_text())["state"] == "connecting"
+        state["now"] = "registered"
+        for _ in range(300):  # 3 s at most, far below the 60 s heartbeat
+            await asyncio.sleep(0.01)
+            if json.loads(f.read_text())["state"] == "registered":
+                break
+        assert json.loads(f.read_text())["state"] == "registered"
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())

@@ -28,6 +28,7 @@ import time
 from typing import Callable
 
 READY_STATE = "registered"
+STATE_POLL = 0.5  # seconds between looks at the state between two heartbeats
 
 
 class Heartbeat:
@@ -72,15 +73,20 @@ class Heartbeat:
             return False
 
     async def run(self, state_fn: Callable[[], str]) -> None:
-        """Beat every ``interval`` seconds; the file is written in the loop's default executor,
-        so a slow file system never holds up the loop (the NRI plugin answers the runtime there)."""
+        """Beat every ``interval`` seconds, and at once when the state changes (looked at every
+        ``STATE_POLL`` seconds), so a readiness probe sees a registration within that; the file is
+        written in the loop's default executor, so a slow file system never holds up the loop (the
+        NRI plugin answers the runtime there)."""
         loop = asyncio.get_running_loop()
         writing = None
         try:
             while True:
-                writing = loop.run_in_executor(None, self.beat, state_fn())
+                state = state_fn()
+                writing = loop.run_in_executor(None, self.beat, state)
                 await writing
-                await asyncio.sleep(self.interval)
+                due = loop.time() + self.interval
+                while loop.time() < due and state_fn() == state:
+                    await asyncio.sleep(min(STATE_POLL, max(0.0, due - loop.time())))
         finally:
             self.clear()
             if writing is not None and not writing.done():  # a write still under way: removed after it
