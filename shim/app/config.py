@@ -538,14 +538,17 @@ def load_entries(path: str) -> dict[str, FileValue]:
     return read_settings_file(path, names, NOT_SETTINGS)
 
 
+def _said(o: Option, raw: Any) -> str:
+    """How an error names the setting: the file, line and key as written, or the flag."""
+    return raw.where if isinstance(raw, FileValue) else f"--{o.name}"
+
+
 def _parse(o: Option, raw: Any) -> Any:
     """``raw`` (a flag's text, or a FileValue) parsed; a ConfigError names the flag or the
     file, line and key as written."""
-    if isinstance(raw, FileValue):
-        value = raw.text if o.file_text and raw.text is not None else raw.value
-        said = raw.where
-    else:
-        value, said = raw, f"--{o.name}"
+    value = raw.text if isinstance(raw, FileValue) and o.file_text and raw.text is not None else \
+        raw.value if isinstance(raw, FileValue) else raw
+    said = _said(o, raw)
     try:
         return o.parse(value)
     except ConfigError as e:
@@ -556,6 +559,7 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
     from_file = load_entries(args.config) if getattr(args, "config", None) else {}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    given_as: dict[str, str] = {}
     for o in options:
         attr = o.name.replace("-", "_")
         raw = getattr(args, attr, None)
@@ -566,8 +570,9 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
         else:
             continue
         values[attr] = _parse(o, raw)
-        origin[attr] = where
-    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
+        origin[attr], given_as[attr] = where, _said(o, raw)
+    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
+                  given_as=MappingProxyType(given_as))
 
 
 def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Config:
@@ -577,11 +582,14 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
     from_file = load_entries(path)
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    given_as: dict[str, str] = {}
     for o in options:
         attr = o.name.replace("-", "_")
         if cfg.origin.get(attr) == "flag":
             values[attr], origin[attr] = getattr(cfg, attr), "flag"
+            given_as[attr] = cfg.given_as.get(attr, f"--{o.name}")
         elif o.name in from_file:
             values[attr] = _parse(o, from_file[o.name])
-            origin[attr] = "file"
-    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
+            origin[attr], given_as[attr] = "file", _said(o, from_file[o.name])
+    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
+                  given_as=MappingProxyType(given_as))

@@ -237,6 +237,14 @@ class Config:
 
     #: where each value came from: "flag", "file" or "default" (a Config built in code: "default")
     origin: Mapping[str, str] = field(default_factory=_all_default, compare=False, repr=False)
+    #: how an error names each setting the operator gave: "--listen" (a flag), or the config
+    #: file's path, line and key as written ("c.yaml:3: listen"); absent: not given
+    given_as: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False, repr=False)
+
+    def setting(self, name: str) -> str:
+        """The setting ``name`` (listen, socket-mode) as an error names it: the flag, the file's
+        path, line and key, else the name."""
+        return self.given_as.get(name.replace("-", "_"), name)
 
     def as_dict(self) -> dict[str, Any]:
         """The values by field name, the policy by its name."""
@@ -244,5 +252,5 @@ class Config:
         return {k: (v.value if isinstance(v, Policy) else v) for k, v in values.items()}
 
 
-#: the option fields in the table's order (all but origin)
-FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Config) if f.name != "origin")
+#: the option fields in the table's order (all but origin and given_as)
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Config) if f.name not in ("origin", "given_as"))
