@@ -26,7 +26,7 @@ from typing import Any, Callable
 from shim.app.config_file import ConfigError, FileValue, read_settings_file
 from shim.app.settings import FIELDS, Config
 from shim.decision import Policy
-from shim.decision.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_bytes, parse_page_size
 from shim.effects.rollout import MODES
 
 
@@ -338,8 +338,9 @@ OPTIONS: tuple[Option, ...] = (
            "finished calls whose work after the answer (audit record, recording, reconciler event, CRI metrics) may "
            "wait at once for the call-finisher thread, which takes them in batches; beyond it a call's work is "
            "dropped and counted (memqos_finish_calls_dropped_total)", "N", where=FILE),
-    Option("page-size", "int | None", None, _positive_int,
-           "page size for rounding memory.high; default: the system's", "N"),
+    Option("page-size", "int | None", None, parse_page_size,
+           f"page size for rounding memory.high, a power of two from {PAGE_SIZE_MIN} to {PAGE_SIZE_MAX}; "
+           "default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
     Option("max-connections", "int", 128, _positive_int,
            "connections the relay serves at once (the kubelet keeps one or two, crictl and doctor add one each "
@@ -551,7 +552,7 @@ def _parse(o: Option, raw: Any) -> Any:
     said = _said(o, raw)
     try:
         return o.parse(value)
-    except ConfigError as e:
+    except (ConfigError, QuantityError) as e:
         raise ConfigError(f"{said}: {e}") from None
 
 
@@ -586,8 +587,7 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
     for o in options:
         attr = o.name.replace("-", "_")
         if cfg.origin.get(attr) == "flag":
-            values[attr], origin[attr] = getattr(cfg, attr), "flag"
-            given_as[attr] = cfg.given_as.get(attr, f"--{o.name}")
+            values[attr], origin[attr], given_as[attr] = getattr(cfg, attr), "flag", f"--{o.name}"
         elif o.name in from_file:
             values[attr] = _parse(o, from_file[o.name])
             origin[attr], given_as[attr] = "file", _said(o, from_file[o.name])

@@ -81,7 +81,8 @@ class Config:
     #: thread, which takes them in batches; beyond it a call's work is dropped and counted
     #: (memqos_finish_calls_dropped_total)
     finish_max_pending: int = 10000
-    #: --page-size: page size for rounding memory.high; default: the system's
+    #: --page-size: page size for rounding memory.high, a power of two from 4096 to 65536; default:
+    #: the system's
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)
     socket_group: str | None = None
