@@ -159,3 +159,8 @@ def test_where_the_kubelet_owns_memory_min_the_setting_is_named_for_what_it_does
     assert r.verdict == WARN
     [todo] = [d for d in r.details if "correct-kubelet-min" in d]
     assert todo.startswith(says) and "a running container keeps its value" in todo
+
+
+def test_a_node_without_containers_says_so(tmp_path):
+    [r] = named(run(tmp_path), "containers' memory.min")
+    assert r.verdict == PASS and r.summary == "no container cgroup with a memory.min and a memory.max under kubepods"

@@ -66,15 +66,21 @@ class ProtectionChecks(CheckBase):
     def check_protection(self) -> list[Result]:
         return [self._kubelet_container_min(), *self._containers_min(), *self._headroom(), self._recursiveprot()]
 
+    def _kubelet_writes_min(self):
+        """(KubeletWrites, why the kubelet owns container memory.min where it writes one there =
+        the request, else None)."""
+        writes, owners, _ = self._ownership()
+        kubelet_owns = owners.kubelet_keys().get("memory.min")
+        kubelet_min = writes.writes_protection and writes.protection in (Policy.HARD, Policy.TIERED_RESERVATION)
+        return writes, (kubelet_owns if kubelet_min else None)
+
     def _kubelet_container_min(self) -> Result:
         name = "container memory.min"
-        writes, owners, _ = self._ownership()
         cfg = self.cfg
         rule = (f"capped at limit - max(ceil(limit x {cfg.protection_headroom_ratio}), "
                 f"{cfg.protection_headroom_min} bytes) so a pod at its memory.max can reclaim its own page cache")
-        kubelet_owns = owners.kubelet_keys().get("memory.min")
-        kubelet_min = writes.writes_protection and writes.protection in (Policy.HARD, Policy.TIERED_RESERVATION)
-        if not (kubelet_owns and kubelet_min):
+        writes, kubelet_owns = self._kubelet_writes_min()
+        if not kubelet_owns:
             return Result(name, PASS, f"the shim's: {rule}")
         if cfg.correct_kubelet_min:
             return Result(name, PASS, f"the kubelet's ({kubelet_owns}), lowered by correct-kubelet-min: {rule}")
@@ -118,14 +124,14 @@ class ProtectionChecks(CheckBase):
                 over.append(f"pod {uid} container {cid[:13]}: memory.min {value} ({format_bytes(value)}) of "
                             f"memory.max {limit} ({format_bytes(limit)}); the rule caps it at {cap} "
                             f"(headroom {room})")
+        if not read:
+            return [Result(name, PASS, f"no container cgroup with a memory.min and a memory.max under "
+                                       f"{layout.kubepods}")]
         if not over:
             return [Result(name, PASS, f"{read} container cgroups with a memory.min and a memory.max: each leaves "
                                        "the headroom the rule asks under its memory.max")]
         listed = over[:MAX_LISTED] + ([f"and {len(over) - MAX_LISTED} more"] if len(over) > MAX_LISTED else [])
-        writes, owners, _ = self._ownership()
-        kubelet_min = "memory.min" in owners.kubelet_keys() and writes.writes_protection and \
-            writes.protection in (Policy.HARD, Policy.TIERED_RESERVATION)
-        if kubelet_min:
+        if self._kubelet_writes_min()[1]:
             todo = [("correct-kubelet-min is on: " if cfg.correct_kubelet_min else
                      "set correct-kubelet-min: true in the shim's config file: ")
                     + "the shim then lowers the memory.min the kubelet sends when it creates or updates a "
