@@ -24,12 +24,12 @@ def test_explain_json_issue_example():
                                              (500, 0.6, 800), (850, 0.8, 970), (500, 0.4, 700), (1000, 0.9, None)])
 def test_explain_json_kep_examples(req, factor, high):
     doc = json.loads(shim("explain", "--request", f"{req}Mi", "--limit", "1000Mi", "--factor", str(factor),
-                          "--page-size", str(Mi), "--json").stdout)
+                          "--page-size", "4096", "--json").stdout)
     assert doc["unified"].get("memory.high") == (None if high is None else str(high * Mi))
 
 
 def test_explain_besteffort_and_factor_none():
-    doc = json.loads(shim("explain", "--allocatable", "1000Mi", "--page-size", str(Mi), "--json").stdout)
+    doc = json.loads(shim("explain", "--allocatable", "1000Mi", "--page-size", "4096", "--json").stdout)
     assert doc["qos"] == "BestEffort" and doc["unified"] == {"memory.high": str(900 * Mi)}
     doc = json.loads(shim("explain", "--request", "1Gi", "--limit", "2Gi", "--factor", "none", "--json").stdout)
     assert doc["unified"] == {"memory.min": str(2**30)}
@@ -96,8 +96,8 @@ def test_config_precedence(tmp_path):
     (["--qos", "besteffort", "--limit", "1Gi"], "--qos besteffort"),
     (["--qos", "guaranteed", "--request", "128Mi"], "--qos guaranteed"),
     (["--qos", "guaranteed", "--request", "128Mi", "--limit", "256Mi"], "--qos guaranteed"),
-    (["--page-size", "3000"], "--page-size 3000"),
-    (["--page-size", "0"], "--page-size 0"),
+    (["--page-size", "3000"], "--page-size: 3000"),
+    (["--page-size", "0"], "--page-size: 0"),
 ])
 def test_explain_refuses_contradictions_with_one_line(args, says):
     r = shim("explain", *args, check=False)

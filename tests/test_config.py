@@ -42,7 +42,7 @@ def test_a_changed_table_changes_only_the_fields():
 
 def test_one_field_per_option_with_the_tables_default_and_type():
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    assert list(fields) == [o.name.replace("-", "_") for o in OPTIONS] + ["origin"]
+    assert list(fields) == [o.name.replace("-", "_") for o in OPTIONS] + ["origin", "given_as"]
     assert FIELDS == tuple(o.name.replace("-", "_") for o in OPTIONS)
     cfg = Config()
     for o in OPTIONS:

@@ -251,8 +251,8 @@ BAD_SOCKET_SETTINGS = [
     (["--listen", "/proc/memqos-shim-test.sock"], None, "--listen"),
     (["--listen", "/proc/self/nope/x.sock"], None, "--listen"),
     (["--socket-group", "nosuchgroup-memqos"], None, "--socket-group"),
-    ([], 'socket-mode: "0660"\n', "socket-mode"),
-    ([], "upstream: tcp://1.2.3.4:5\n", "upstream"),
+    ([], 'socket-mode: "0660"\n', "c.yaml:1: socket-mode: "),
+    ([], "mode: enforce\nupstream: tcp://1.2.3.4:5\n", "c.yaml:2: upstream: "),
 ]
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from shim.app.config_file import ConfigError, FileValue, read_settings_file
 from shim.app.settings import FIELDS, Config
 from shim.decision import Policy
-from shim.decision.quantity import QuantityError, parse_bytes
+from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_bytes, parse_page_size
 from shim.effects.rollout import MODES
 
 
@@ -338,8 +338,9 @@ OPTIONS: tuple[Option, ...] = (
            "finished calls whose work after the answer (audit record, recording, reconciler event, CRI metrics) may "
            "wait at once for the call-finisher thread, which takes them in batches; beyond it a call's work is "
            "dropped and counted (memqos_finish_calls_dropped_total)", "N", where=FILE),
-    Option("page-size", "int | None", None, _positive_int,
-           "page size for rounding memory.high; default: the system's", "N"),
+    Option("page-size", "int | None", None, parse_page_size,
+           f"page size for rounding memory.high, a power of two from {PAGE_SIZE_MIN} to {PAGE_SIZE_MAX}; "
+           "default: the system's", "N"),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
     Option("max-connections", "int", 128, _positive_int,
            "connections the relay serves at once (the kubelet keeps one or two, crictl and doctor add one each "
@@ -538,17 +539,20 @@ def load_entries(path: str) -> dict[str, FileValue]:
     return read_settings_file(path, names, NOT_SETTINGS)
 
 
+def _said(o: Option, raw: Any) -> str:
+    """How an error names the setting: the file, line and key as written, or the flag."""
+    return raw.where if isinstance(raw, FileValue) else f"--{o.name}"
+
+
 def _parse(o: Option, raw: Any) -> Any:
     """``raw`` (a flag's text, or a FileValue) parsed; a ConfigError names the flag or the
     file, line and key as written."""
-    if isinstance(raw, FileValue):
-        value = raw.text if o.file_text and raw.text is not None else raw.value
-        said = raw.where
-    else:
-        value, said = raw, f"--{o.name}"
+    value = raw.text if isinstance(raw, FileValue) and o.file_text and raw.text is not None else \
+        raw.value if isinstance(raw, FileValue) else raw
+    said = _said(o, raw)
     try:
         return o.parse(value)
-    except ConfigError as e:
+    except (ConfigError, QuantityError) as e:
         raise ConfigError(f"{said}: {e}") from None
 
 
@@ -556,6 +560,7 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
     from_file = load_entries(args.config) if getattr(args, "config", None) else {}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    given_as: dict[str, str] = {}
     for o in options:
         attr = o.name.replace("-", "_")
         raw = getattr(args, attr, None)
@@ -566,8 +571,9 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
         else:
             continue
         values[attr] = _parse(o, raw)
-        origin[attr] = where
-    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
+        origin[attr], given_as[attr] = where, _said(o, raw)
+    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
+                  given_as=MappingProxyType(given_as))
 
 
 def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Config:
@@ -577,11 +583,13 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
     from_file = load_entries(path)
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    given_as: dict[str, str] = {}
     for o in options:
         attr = o.name.replace("-", "_")
         if cfg.origin.get(attr) == "flag":
-            values[attr], origin[attr] = getattr(cfg, attr), "flag"
+            values[attr], origin[attr], given_as[attr] = getattr(cfg, attr), "flag", f"--{o.name}"
         elif o.name in from_file:
             values[attr] = _parse(o, from_file[o.name])
-            origin[attr] = "file"
-    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}))
+            origin[attr], given_as[attr] = "file", _said(o, from_file[o.name])
+    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
+                  given_as=MappingProxyType(given_as))

@@ -1,7 +1,8 @@
 """The socket settings of `serve` checked before anything starts: ``listen``, ``upstream``,
 ``socket-group`` and ``socket-mode``. A bad one is a ConfigError naming the setting as the
-operator gave it (the flag, or the config file's key), so that it ends as every bad setting
-does: one line and exit code 2, before a file is opened or a socket bound.
+operator gave it (the flag, or the config file's path, line and key: "c.yaml:3: listen"), so
+that it ends as every bad setting does: one line and exit code 2, before a file is opened or a
+socket bound.
 
 What is checked here is what can be known before binding: the endpoint's form (only unix
 sockets), the listening socket and the runtime's being different, nothing but a socket at the
@@ -27,8 +28,9 @@ STAGING_SUFFIX_BYTES = len("/.shim-xxxxxxxx/s")
 
 
 def setting_name(cfg: Config, name: str) -> str:
-    """The setting as the operator gave it: the flag, else the config file's key."""
-    return f"--{name}" if cfg.origin.get(name.replace("-", "_")) == "flag" else name
+    """The setting as the operator gave it: the flag, or the config file's path, line and key
+    as written ("c.yaml:3: listen"); a default by its name."""
+    return cfg.setting(name)
 
 
 def check_endpoints(cfg: Config, mountinfo: str = "/proc/self/mountinfo") -> None:

@@ -41,8 +41,11 @@ def reload_mode(service, config_path: str | None) -> str:
     if cfg.origin.get("mode") == "flag":
         log.warning("SIGHUP: mode is given by the --mode flag (%s), which the file does not override", cfg.mode)
     service.set_mode(new.mode, f"SIGHUP: {config_path}")
+    given_as = {k: v for k, v in cfg.given_as.items() if k != "mode"} | \
+        ({"mode": new.given_as["mode"]} if "mode" in new.given_as else {})
     service.cfg = dataclasses.replace(cfg, mode=new.mode,
-                                      origin=MappingProxyType({**cfg.origin, "mode": new.origin["mode"]}))
+                                      origin=MappingProxyType({**cfg.origin, "mode": new.origin["mode"]}),
+                                      given_as=MappingProxyType(given_as))
     service.audit.emit({"event": "config-reload", "config": config_path, "rollout": new.mode,
                         **({"needs_restart": needs_restart} if needs_restart else {})})
     if not needs_restart and new.mode == running:

@@ -81,7 +81,8 @@ class Config:
     #: thread, which takes them in batches; beyond it a call's work is dropped and counted
     #: (memqos_finish_calls_dropped_total)
     finish_max_pending: int = 10000
-    #: --page-size: page size for rounding memory.high; default: the system's
+    #: --page-size: page size for rounding memory.high, a power of two from 4096 to 65536; default:
+    #: the system's
     page_size: int | None = None
     #: --socket-group: group allowed to use the socket (mode becomes 0660)
     socket_group: str | None = None
@@ -237,6 +238,14 @@ class Config:
 
     #: where each value came from: "flag", "file" or "default" (a Config built in code: "default")
     origin: Mapping[str, str] = field(default_factory=_all_default, compare=False, repr=False)
+    #: how an error names each setting the operator gave: "--listen" (a flag), or the config
+    #: file's path, line and key as written ("c.yaml:3: listen"); absent: not given
+    given_as: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False, repr=False)
+
+    def setting(self, name: str) -> str:
+        """The setting ``name`` (listen, socket-mode) as an error names it: the flag, the file's
+        path, line and key, else the name."""
+        return self.given_as.get(name.replace("-", "_"), name)
 
     def as_dict(self) -> dict[str, Any]:
         """The values by field name, the policy by its name."""
@@ -244,5 +253,5 @@ class Config:
         return {k: (v.value if isinstance(v, Policy) else v) for k, v in values.items()}
 
 
-#: the option fields in the table's order (all but origin)
-FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Config) if f.name != "origin")
+#: the option fields in the table's order (all but origin and given_as)
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Config) if f.name not in ("origin", "given_as"))

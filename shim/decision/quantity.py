@@ -92,3 +92,21 @@ def clamp(value: int, bound: tuple[int, str], what: str) -> tuple[int, str]:
     if value > ceiling:
         return ceiling, f"clamped: {what}{value} above {name} {ceiling}"
     return 0, f"clamped: {what}{value} below 0"
+
+
+#: the base page sizes Linux is built with on the architectures Kubernetes runs on: 4 KiB
+#: everywhere, 16 KiB or 64 KiB on arm64, 64 KiB on ppc64le; a huge page is never a base page
+PAGE_SIZE_MIN, PAGE_SIZE_MAX = 4096, 65536
+
+
+def parse_page_size(text: object) -> int:
+    """A base page size (a number of bytes or a quantity: 4096, 16Ki) that is a power of two
+    from PAGE_SIZE_MIN to PAGE_SIZE_MAX, or QuantityError."""
+    try:
+        page = parse_bytes(text)
+    except QuantityError:
+        raise QuantityError(f"not a number of bytes: {text!r}") from None
+    if not PAGE_SIZE_MIN <= page <= PAGE_SIZE_MAX or page & (page - 1):
+        raise QuantityError(f"{text} is not a page size: a power of two from {PAGE_SIZE_MIN} to {PAGE_SIZE_MAX} "
+                            "(4096 on x86-64; 4096, 16384 or 65536 on arm64)")
+    return page

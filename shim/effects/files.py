@@ -10,9 +10,11 @@ Directories above the file are the operator's (a ``/var/log`` that is a symlink 
 usual). New files get the mode the caller asks for (0600 for traces and
 state, 0640 for the audit log); an existing file keeps its mode.
 
-Files written by rename (the guard's state) create their temporary file with
-``O_CREAT | O_EXCL | O_NOFOLLOW`` and rename it over the path: a rename replaces a symlink
-at the destination, it never writes through it.
+Files written by rename (``replace_file``: the guard's episodes, the heartbeat file) create
+their temporary file with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and rename it over the path: a
+rename replaces a symlink at the destination, it never writes through it. They replace only a
+file of their own kind (a JSON object with the caller's keys, or an empty file): a symlink, a
+directory or anyone else's file at the path is left alone (``ForeignFile``).
 
 ``RotatingFile`` (the audit log, the recorder's files) appends whole lines and rotates by size
 with a bounded number of files, ``FILE`` -> ``FILE.1`` -> ... -> ``FILE.<keep>`` (the oldest is
@@ -29,9 +31,11 @@ and the oldest of them is deleted, it stays as it is (logged).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
+import tempfile
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -255,3 +259,76 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class ForeignFile(UnsafeFile):
+    """What is at a path a file is to be written by rename is not the caller's kind of file
+    (``what``: a symbolic link, not a regular file, not JSON, ...): never replaced."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(errno.EEXIST, f"{path} is {what}; left alone")
+        self.what = what
+
+
+def foreign_json(path: str, keys: tuple[str, ...], max_bytes: int) -> str | None:
+    """What is at ``path`` when it is not a JSON file of the caller's kind, in a few words (a
+    symbolic link, not a regular file, not JSON, ...); None when nothing is there, the file is
+    empty, or it holds a JSON object (of at most ``max_bytes``) with every key of ``keys``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        raw = os.read(fd, max_bytes + 1)
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    finally:
+        os.close(fd)
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(doc, dict) or any(k not in doc for k in keys):
+        return f"not a JSON object with {', '.join(keys)}"
+    return None
+
+
+def replace_file(path: str, data: bytes, *, keys: tuple[str, ...], max_bytes: int, mode: int = 0o600,
+                 fsync: bool = True, make_parent: bool = False) -> None:
+    """Replace the file at ``path`` with ``data`` at once for any reader: written to a new file
+    of a unique name beside it (O_CREAT | O_EXCL | O_NOFOLLOW: nothing there is reused or
+    followed), given ``mode``, fsynced (``fsync``), renamed over ``path``. Only a file of the
+    caller's kind is replaced (foreign_json with ``keys`` and ``max_bytes``): anything else at
+    ``path`` raises ForeignFile before anything is written. ``make_parent``: create the missing
+    directories (0755). OSError otherwise, the new file removed."""
+    what = foreign_json(path, keys, max_bytes)
+    if what:
+        raise ForeignFile(path, what)
+    parent = os.path.dirname(path) or "."
+    if make_parent:
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if mode != 0o600:  # mkstemp's
+                os.fchmod(fd, mode)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

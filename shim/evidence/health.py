@@ -14,20 +14,21 @@ the front end stops (anything else at the path is left alone and the beat fails)
 ``time`` is refreshed by the event loop every ``interval`` seconds, so a stale ``time`` means
 the loop is stuck or the process is gone (liveness). ``state`` is what the front end reports:
 ``registered`` when the runtime has accepted the plugin (readiness), anything else otherwise
-(``connecting``, ``stopping``). Stdlib only, no shim imports: the probe starts a fresh
-interpreter every period and counts against the container's memory limit.
+(``connecting``, ``stopping``). The probe's side (``check``, ``main``) is stdlib only, no shim
+imports: the probe starts a fresh interpreter every period and counts against the container's
+memory limit. The writer replaces the file with shim.effects.files.replace_file.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import stat
-import tempfile
 import time
 from typing import Callable
 
 READY_STATE = "registered"
+HEARTBEAT_KEYS = ("time", "state")  # a JSON object with these is a heartbeat file, the only kind replaced
+MAX_BYTES = 4096  # a heartbeat file is read (by the probe, and before it is replaced) up to this
 STATE_POLL = 0.5  # seconds between looks at the state between two heartbeats
 
 
@@ -50,21 +51,11 @@ class Heartbeat:
             self.state, self.since = state, now
         doc = {"pid": os.getpid(), "time": now, "state": state, "since": self.since}
         try:
-            if not _replaceable(self.path):
-                raise OSError(f"{self.path} is not a heartbeat file; left alone")
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
-                                       dir=os.path.dirname(self.path) or ".")
-            try:
-                with open(fd, "w", encoding="utf-8") as f:
-                    f.write(json.dumps(doc))
-                os.chmod(tmp, 0o644)  # the probe may run as another user
-                os.replace(tmp, self.path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            from shim.effects.files import replace_file  # the writer's only: the probe stays stdlib only
+
+            # the probe may run as another user: 0644; a heartbeat is not worth an fsync
+            replace_file(self.path, json.dumps(doc).encode(), keys=HEARTBEAT_KEYS, max_bytes=MAX_BYTES,
+                         mode=0o644, fsync=False)
             st = os.lstat(self.path)
             self._written = (st.st_dev, st.st_ino)
             return True
@@ -102,37 +93,13 @@ class Heartbeat:
             pass
 
 
-def _replaceable(path: str) -> bool:
-    """Nothing at ``path``, or a heartbeat file (a regular file holding a JSON object with
-    ``time`` and ``state``, or nothing yet)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        raw = os.read(fd, 4097)
-    finally:
-        os.close(fd)
-    if not raw:
-        return True
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return False
-    return isinstance(doc, dict) and "time" in doc and "state" in doc
-
-
 def check(path: str, max_age: float, ready: bool = False, now: float | None = None) -> tuple[bool, str]:
     """(healthy, one line why). Liveness: the file exists, parses and is at most ``max_age``
     seconds old. With ``ready``: also in the registered state."""
     now = time.time() if now is None else now
     try:
         with open(path, "rb") as f:
-            doc = json.loads(f.read(4096))
+            doc = json.loads(f.read(MAX_BYTES))
         t, state = float(doc["time"]), str(doc["state"])
     except FileNotFoundError:
         return False, f"no heartbeat at {path}: the front end has not started (or has stopped)"

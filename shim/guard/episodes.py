@@ -24,8 +24,9 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from dataclasses import dataclass
+
+from shim.effects.files import ForeignFile, foreign_json, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -64,30 +65,9 @@ def _valid(entry: object) -> Episode | None:
     return Episode(dict(ref), mode, high)
 
 
-def _not_an_episode_file(path: str) -> str | None:
-    """What is at ``path`` when it is something save() must not replace or remove (None:
-    nothing there, or an episode file, whatever its version or entries)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "not a regular file"
-        raw = os.read(fd, MAX_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if not raw:
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return "not JSON"
-    if not isinstance(doc, dict) or "version" not in doc or "episodes" not in doc:
-        return "not an episode file"
-    return None
+#: the keys that make a JSON file an episode file, whatever its version or entries: the only
+#: kind save() replaces or removes
+EPISODE_KEYS = ("version", "episodes")
 
 
 class EpisodeFile:
@@ -153,13 +133,11 @@ class EpisodeFile:
     def save(self, episodes: list[Episode]) -> bool:
         """Replace the file with ``episodes`` (an empty list removes it). False, logged, when
         it cannot be written: the episodes then live in memory only, as without a file."""
-        foreign = _not_an_episode_file(self.path)
-        if foreign:
-            log.warning("guard episodes: %s is %s, not a file the shim wrote: left alone; a restart would "
-                        "forget the episodes", self.path, foreign)
-            return False
         try:
             if not episodes:
+                foreign = foreign_json(self.path, EPISODE_KEYS, MAX_FILE_BYTES)
+                if foreign:
+                    raise ForeignFile(self.path, foreign)
                 try:
                     os.unlink(self.path)
                 except FileNotFoundError:
@@ -167,27 +145,13 @@ class EpisodeFile:
                 return True
             doc = {"version": VERSION, "episodes": [
                 {"ref": e.ref, "mode": e.mode, "restore_high": e.restore_high} for e in episodes[:MAX_EPISODES]]}
-            data = json.dumps(doc, separators=(",", ":")).encode()
-            parent = os.path.dirname(self.path) or "."
-            os.makedirs(parent, mode=0o755, exist_ok=True)
-            # a new name of its own (O_CREAT | O_EXCL | O_NOFOLLOW, 0600): nothing there is reused
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=parent)
-            try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, self.path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            replace_file(self.path, json.dumps(doc, separators=(",", ":")).encode(), keys=EPISODE_KEYS,
+                         max_bytes=MAX_FILE_BYTES, mode=0o600, make_parent=True)
             return True
+        except ForeignFile as e:
+            log.warning("guard episodes: %s is %s, not a file the shim wrote: left alone; a restart would "
+                        "forget the episodes", self.path, e.what)
+            return False
         except OSError as e:
             log.warning("guard episodes: cannot write %s: %s; a restart would forget them", self.path, e)
             return False

@@ -8,7 +8,8 @@ import os
 import sys
 
 from shim import decision
-from shim.decision.quantity import QuantityError, format_bytes, parse_bytes
+from shim.decision.quantity import (PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, format_bytes, parse_bytes,
+                                    parse_page_size)
 
 _QOS_PARENTS = {
     decision.QoSClass.GUARANTEED: "/kubepods/pod0000",
@@ -35,16 +36,13 @@ def _explain_factor(v: str) -> float | None:
 
 
 def _page_size(v: str | None) -> int:
-    """--page-size: a power of two of at least 4096 (what Linux pages are), else the system's."""
+    """--page-size: a base page size as serve takes it (parse_page_size), else the system's."""
     if not v:
         return os.sysconf("SC_PAGE_SIZE")
     try:
-        page = int(v)
-    except ValueError:
-        raise ValueError(f"--page-size {v!r} is not a number of bytes") from None
-    if page < 4096 or page & (page - 1):
-        raise ValueError(f"--page-size {v}: a page size is a power of two of at least 4096 (4096, 16384, 65536 ...)")
-    return page
+        return parse_page_size(v)
+    except QuantityError as e:
+        raise ValueError(f"--page-size: {e}") from None
 
 
 def qos_contradiction(qos: str | None, request: int, limit: int) -> str | None:
@@ -220,7 +218,7 @@ def register(sub) -> None:
     ex.add_argument("--allocatable", default="0", metavar="Q", help="node allocatable memory (quantity)")
     ex.add_argument("--factor", default="0.9", metavar="F", help="throttling factor in (0, 1] or 'none'")
     ex.add_argument("--page-size", default=None, metavar="N",
-                    help="page size, a power of two of at least 4096 (default: the system's)")
+                    help=f"page size, a power of two from {PAGE_SIZE_MIN} to {PAGE_SIZE_MAX} (default: the system's)")
     ex.add_argument("--qos", choices=["guaranteed", "burstable", "besteffort"],
                     help="QoS class (default: from request and limit); one that request and limit contradict "
                          "is refused (guaranteed: limit = request; besteffort: neither)")
