@@ -84,7 +84,7 @@ adm:x:4:
 tty:x:5:
 disk:x:6:
 mail:x:8:
-wheel:x:10:root
+wheel:x:10:
 www-data:x:33:
 operator:x:37:
 users:x:100:
