@@ -268,7 +268,8 @@ def test_connections_beyond_the_limit_are_closed_and_counted(store, tmp_path):
         for s in held:
             s.close()
         err = reg.stop()
-    assert '"refused_connections": 1' in err
+    counters = json.loads(err.split("registry: stopped ", 1)[1])
+    assert counters["refused_connections"] >= 1  # the waits for a free slot may be refused too
     with open(reg.log) as f:
         assert "connection refused: --max-connections reached" in f.read()
 
