@@ -192,6 +192,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if len(line) > self.server.max_line:
             self.server.counters.add("oversized_requests")
+            self.server.log(f"{self.client_address[0]} request line over --max-line: 414")
             self.requestline, self.request_version, self.command = "", "HTTP/1.1", "GET"
             self.send_error(414)
             self.close_connection = True
@@ -204,6 +205,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if sum(len(k) + len(v) for k, v in self.headers.items()) > self.server.max_header_bytes:
             self.server.counters.add("oversized_requests")
+            self.server.log(f"{self.client_address[0]} headers over --max-header-bytes: 431")
             self.send_error(431)
             self.close_connection = True
             return
