@@ -6,6 +6,7 @@ containerd pulling one image through a hosts.toml mirror from e2e/registry.py.""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -65,7 +66,6 @@ def image_config(store, ref: str) -> dict:
 
 
 def layers(store, ref: str) -> list[tarfile.TarFile]:
-    import io
     return [tarfile.open(fileobj=io.BytesIO(blob(store, d["digest"]))) for d in manifest(store, ref)["layers"]]
 
 

@@ -178,7 +178,7 @@ def test_unknown_and_malformed_requests_get_distribution_errors(registry, path, 
 
 def test_a_blob_of_another_repository_is_not_served(registry, store):
     """Blobs are served through the repositories whose manifests name them."""
-    layer2 = json.loads(registry.get(f"/v2/shared/name/manifests/latest?ns=registry.k8s.io")[2])["layers"][0]["digest"]
+    layer2 = json.loads(registry.get("/v2/shared/name/manifests/latest?ns=registry.k8s.io")[2])["layers"][0]["digest"]
     status, _, body = registry.get(f"/v2/k8s-staging-cri-tools/test-image-tags/blobs/{layer2}?ns=gcr.io")
     assert (status, error_code(body)) == (404, "BLOB_UNKNOWN")
 
