@@ -265,11 +265,13 @@ def test_ipcs_and_pgrep_in_the_image(store, tmp_path):
 
 # -- a private containerd pulls through a hosts.toml mirror ----------------------------------------
 
-@pytest.mark.skipif(not (IS_ROOT and shutil.which("containerd") and shutil.which("ctr")),
-                    reason="needs root, containerd and ctr")
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (a private containerd)")
 def test_containerd_pulls_through_a_hosts_toml_mirror_of_the_registry(store, tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_registry import Registry
+    from tools import require_tool
+
+    containerd, ctr_bin = require_tool("containerd"), require_tool("ctr")  # scripts/install-test-deps
 
     reg = Registry(store["out"], str(tmp_path))
     cd = tmp_path / "containerd"
@@ -292,9 +294,9 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.a
         (hosts / host).mkdir(parents=True)
         (hosts / host / "hosts.toml").write_text(
             f'server = "https://{host}"\n\n[host."http://127.0.0.1:{reg.port}"]\n  capabilities = ["pull", "resolve"]\n')
-    daemon = subprocess.Popen(["containerd", "--config", str(cd / "config.toml")],
+    daemon = subprocess.Popen([containerd, "--config", str(cd / "config.toml")],
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "containerd.log", "w"))
-    ctr = ["ctr", "--address", str(sock), "-n", "k8s.io"]
+    ctr = [ctr_bin, "--address", str(sock), "-n", "k8s.io"]
     try:
         for _ in range(600):
             if subprocess.run(ctr + ["version"], capture_output=True).returncode == 0:
