@@ -187,3 +187,18 @@ def test_serve_rejects_bad_protection_headroom(tmp_path, text, key):
     r = shim("serve", "--config", str(cfg), "--listen", str(tmp_path / "s.sock"), check=False)
     assert r.returncode == 2 and key in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_reader_that_went_away_ends_the_command_without_a_traceback():
+    """`memqos-shim explain ... | head -0`: the reader closed its end before the first line. The
+    command stops with 141 (128 + SIGPIPE) and says nothing on stderr."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "shim", "explain", "--request", "256Mi", "--limit", "512Mi"],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (141, "")
