@@ -44,6 +44,8 @@ REGISTRY = "127.0.0.1:5000"
 # pkg/framework/util.go), and docker.io for short names
 REGISTRY_HOSTS = ("gcr.io", "registry.k8s.io", "docker.io", "k8s.gcr.io")
 CNI_BIN = "/usr/lib/cni"
+METRICS = "127.0.0.1:9187"
+MAX_CONNECTIONS = 128  # the shim's default max-connections
 POD_SUBNET = "10.88.0.0/16"
 KERNEL_MODULES = ("bridge", "br_netfilter", "veth", "nf_tables", "nft_chain_nat", "nft_compat",
                   "xt_nat", "xt_MASQUERADE", "xt_mark", "xt_comment", "xt_multiport", "xt_addrtype",
@@ -228,6 +230,42 @@ def check_run(report: Report, name: str, r: dict, expect_ran: int | None) -> Non
                      "as many specs as the run straight at containerd", source="critest")
 
 
+def run_through_shim(args, report: Report, logs: str, runs: dict) -> Shim:
+    """The shim with its defaults in front of containerd, critest through it, then the shim's
+    connection metrics, audit counts and log; the shim is stopped before the function returns."""
+    kc = write(f"{RUN}/kubelet.json", json.dumps({
+        "kind": "KubeletConfiguration", "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "cgroupDriver": "cgroupfs", "cgroupsPerQOS": True, "cgroupRoot": "/"}))
+    shim = Shim(args.python, logs, SCENARIO, kc, "/proc/meminfo",
+                extra=("--kubelet-version", "1.28", "--page-size", "4096", "--metrics-address", METRICS))
+    report.timing("shim_start", shim.start())
+    sampler = ConnectionSampler(METRICS)
+    sampler.start()
+    try:
+        runs["shim"] = r = run_critest(args.critest, f"unix://{SHIM_SOCK}", "shim", logs, args.skip, args.focus,
+                                       args.timeout)
+    finally:
+        sampler.stop()
+    report.data["shim_connections_peak"] = {"peak": sampler.peak, "samples": sampler.samples}
+    check_run(report, "shim", r, None)
+    transport = {k: v for k, v in scrape_metrics(METRICS).items() if k.startswith("memqos_transport_connections")}
+    report.data["shim_metrics"] = transport
+    shed = sum(v for k, v in transport.items() if k.startswith("memqos_transport_connections_shed_total"))
+    if (r["ran"] or 0) * 2 > MAX_CONNECTIONS:  # two connections a spec, never closed
+        report.check(SCENARIO, "shim", "connections", "memqos_transport_connections_shed_total (sum)", "> 0",
+                     str(shed), f"critest held more connections than max-connections ({MAX_CONNECTIONS}; peak "
+                     f"seen {sampler.peak:g}): the quiet ones were shed", source="metrics", ok=shed > 0)
+    shim.kill(15)
+    counts: dict[str, int] = {}
+    for rec in read_audit(shim.audit_log):
+        counts[rec.get("event", "?")] = counts.get(rec.get("event", "?"), 0) + 1
+    report.data["shim_audit_events"] = counts
+    with open(shim.log, errors="replace") as f:
+        tracebacks = f.read().count("Traceback")
+    report.check(SCENARIO, "shim", "shim log", "tracebacks", "0", str(tracebacks), "the shim ran clean", source="log")
+    return shim
+
+
 def run(args, report: Report) -> None:
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -247,48 +285,23 @@ def run(args, report: Report) -> None:
         p = subprocess.run([args.critest, "--version"], capture_output=True, text=True)
         report.data["guest"]["critest"] = (p.stdout or p.stderr).strip().splitlines()[-1:] or ["?"]
         runs = report.data.setdefault("critest", {})
-        runs["direct"] = run_critest(args.critest, f"unix://{CONTAINERD_SOCK}", "direct", logs, args.skip,
-                                     args.focus, args.timeout)
-        report.save()
-        check_run(report, "direct", runs["direct"], None)
-
-        kc = write(f"{RUN}/kubelet.json", json.dumps({
-            "kind": "KubeletConfiguration", "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "cgroupDriver": "cgroupfs", "cgroupsPerQOS": True, "cgroupRoot": "/"}))
-        shim = Shim(args.python, logs, SCENARIO, kc, "/proc/meminfo",
-                    extra=("--kubelet-version", "1.28", "--page-size", "4096",
-                           "--metrics-address", "127.0.0.1:9187"))
-        report.timing("shim_start", shim.start())
-        sampler = ConnectionSampler("127.0.0.1:9187")
-        sampler.start()
-        runs["shim"] = run_critest(args.critest, f"unix://{SHIM_SOCK}", "shim", logs, args.skip, args.focus,
-                                   args.timeout)
-        sampler.stop()
-        report.data["shim_connections_peak"] = {"peak": sampler.peak, "samples": sampler.samples}
-        report.save()
-        check_run(report, "shim", runs["shim"], runs["direct"]["ran"])
-        report.check(SCENARIO, "shim", "critest", "failed specs",
-                     json.dumps(sorted(runs["direct"]["failed_specs"])), json.dumps(sorted(runs["shim"]["failed_specs"])),
-                     "through the shim the same specs fail as straight at containerd", source="critest")
-        metrics = scrape_metrics("127.0.0.1:9187")
-        transport = {k: v for k, v in metrics.items() if k.startswith("memqos_transport_connections")}
-        report.data["shim_metrics"] = transport
-        shed = sum(v for k, v in transport.items() if k.startswith("memqos_transport_connections_shed_total"))
-        if (runs["shim"]["ran"] or 0) * 2 > 128:  # two connections a spec, never closed
-            report.check(SCENARIO, "shim", "connections", "memqos_transport_connections_shed_total (sum)", "> 0",
-                         str(shed), f"critest held more connections than max-connections (128; peak seen "
-                         f"{sampler.peak:g}): the quiet ones were shed", source="metrics", ok=shed > 0)
-        records = read_audit(shim.audit_log)
-        counts: dict[str, int] = {}
-        for r in records:
-            counts[r.get("event", "?")] = counts.get(r.get("event", "?"), 0) + 1
-        report.data["shim_audit_events"] = counts
-        with open(shim.log, errors="replace") as f:
-            tracebacks = f.read().count("Traceback")
-        report.check(SCENARIO, "shim", "shim log", "tracebacks", "0", str(tracebacks), "the shim ran clean",
-                     source="log")
+        for name in args.runs:
+            if name == "shim":
+                shim = run_through_shim(args, report, logs, runs)
+            else:
+                runs["direct"] = run_critest(args.critest, f"unix://{CONTAINERD_SOCK}", "direct", logs, args.skip,
+                                             args.focus, args.timeout)
+                check_run(report, "direct", runs["direct"], None)
+            report.save()
+        if "shim" in runs and "direct" in runs:
+            report.check(SCENARIO, "shim", "critest", "specs ran", str(runs["direct"]["ran"]), str(runs["shim"]["ran"]),
+                         "as many specs through the shim as straight at containerd", source="critest")
+            report.check(SCENARIO, "shim", "critest", "failed specs",
+                         json.dumps(sorted(runs["direct"]["failed_specs"])),
+                         json.dumps(sorted(runs["shim"]["failed_specs"])),
+                         "through the shim the same specs fail as straight at containerd", source="critest")
     finally:
-        if shim:
+        if shim and shim.proc and shim.proc.poll() is None:
             shim.kill(15)
         for proc in (containerd, registry):
             proc.terminate()
@@ -308,7 +321,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stack", required=True)
     p.add_argument("--args", default="", help="a JSON file with skip and focus (regexes with spaces)")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--runs", default="shim,direct",
+                   help="which critest runs, in order: shim (through the shim), direct (at containerd)")
     args = p.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    if not args.runs or set(args.runs) - {"shim", "direct"}:
+        p.error("--runs: a comma list of shim and direct")
     args.skip = args.focus = ""
     if args.args:
         with open(args.args) as f:
