@@ -173,14 +173,16 @@ def parse_critest(text: str) -> dict:
 
 def run_critest(binary: str, endpoint: str, name: str, logs: str, skip: str, focus: str,
                 timeout: float) -> dict:
+    # critest-run-NAME.log: the shim's own log is critest-shim.log (guest_common.Shim)
+    report_dir = os.path.join(logs, f"critest-run-{name}")
     cmd = [binary, "--runtime-endpoint", endpoint, "--image-endpoint", endpoint, "--ginkgo.no-color",
-           "--ginkgo.v", "--ginkgo.timeout", f"{int(timeout)}s", "--report-dir", os.path.join(logs, f"critest-{name}")]
+           "--ginkgo.v", "--ginkgo.timeout", f"{int(timeout)}s", "--report-dir", report_dir]
     if skip:
         cmd += ["--ginkgo.skip", skip]
     if focus:
         cmd += ["--ginkgo.focus", focus]
-    os.makedirs(os.path.join(logs, f"critest-{name}"), exist_ok=True)
-    out_path = os.path.join(logs, f"critest-{name}.log")
+    os.makedirs(report_dir, exist_ok=True)
+    out_path = os.path.join(logs, f"critest-run-{name}.log")
     log(f"critest ({name}): {' '.join(cmd)}")
     t = time.time()
     with open(out_path, "w") as f:
