@@ -10,7 +10,10 @@ timed from the client's call to its reply, then the container is removed (not ti
 plugin's own time per create is the audit record's ``handler_us`` (from the call reaching the
 handler to its record). Under TCG every figure is inflated several times: the report puts the
 modes side by side (medians, added time, ratios), which is what carries over to a real node.
-No figure is asserted; the checks are that every create succeeded and was audited.
+No figure is asserted; the checks are that every create succeeded and was audited. Every
+timed create is kept (``calls``: round, index in its block, seconds since the guest's start
+``t0`` (epoch seconds), milliseconds) and the slowest three per mode are named in the summary, so
+a tail can be matched with the plugin's log (its per-call lines at ``--log-level debug``).
 """
 from __future__ import annotations
 
@@ -51,6 +54,11 @@ def summarize(samples: dict[str, list[float]], handler_us: list[int]) -> dict:
     return out
 
 
+def slowest(calls: list[list], n: int = 3) -> list[list]:
+    """The ``n`` slowest of one mode's calls ([round, index, at, ms]), slowest first."""
+    return sorted(calls, key=lambda c: -c[3])[:n]
+
+
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
@@ -68,6 +76,10 @@ def summary_lines(result: dict) -> list[str]:
             line += f"  added p50 {a['p50_ms']:+} ms, p99 {a['p99_ms']:+} ms, p50 x{a['p50_ratio']}"
         lines.append(line)
     lines.append(f"latency: the plugin's handler (audit handler_us) n={h['n']} p50 {h['p50']} us  p99 {h['p99']} us")
+    for mode, calls in result.get("slowest", {}).items():
+        if calls:
+            lines.append(f"latency: {LABEL[mode]:<10} slowest: " + ", ".join(
+                f"{ms} ms (round {r + 1} call {i + 1}, t+{at:.1f}s)" for r, i, at, ms in calls))
     return lines
 
 
@@ -81,24 +93,30 @@ class Bench:
         self.rounds, self.per_block = rounds, per_block
         self.samples: dict[str, list[float]] = {m: [] for m in MODES}
         self.errors: dict[str, list[str]] = {m: [] for m in MODES}
+        # every timed create: [round, index in its block, seconds since the guest's start, ms]
+        self.calls: dict[str, list[list]] = {m: [] for m in MODES}
+        self.round = 0
         self.seq = 0
 
     def block(self, mode: str, cri, template) -> None:
         from shim.cri import api_pb2 as pb
 
-        for _ in range(self.per_block):
+        for i in range(self.per_block):
             req = pb.CreateContainerRequest()
             req.CopyFrom(template)
             self.seq += 1
             req.config.metadata.name = f"bench-{mode}-{self.seq}"
             self.s.nri.replayer._prepare_host("CreateContainer", req)
+            at = time.time() - self.G.T0
             t = time.perf_counter()
             try:
                 created = cri.call("CreateContainer", req)
             except Exception as e:  # noqa: BLE001 - counted, reported, the bench goes on
                 self.errors[mode].append(str(e)[:200])
                 continue
-            self.samples[mode].append((time.perf_counter() - t) * 1000)
+            ms = (time.perf_counter() - t) * 1000
+            self.samples[mode].append(ms)
+            self.calls[mode].append([self.round, i, round(at, 3), round(ms, 2)])
             try:
                 self.s.nri.direct.call("RemoveContainer", pb.RemoveContainerRequest(container_id=created.container_id))
             except Exception as e:  # noqa: BLE001
@@ -122,6 +140,7 @@ class Bench:
         audited_before = len(self.handler_records())
         try:
             for r in range(self.rounds):
+                self.round = r
                 self.block("nri", clients["nri"], create_req)
                 s.plugin.signal(signal.SIGTERM)
                 time.sleep(1)  # containerd notices the closed connection
@@ -137,7 +156,8 @@ class Bench:
         handler = [r["handler_us"] for r in self.handler_records()[audited_before:] if "handler_us" in r]
         result = summarize(self.samples, handler)
         result.update(rounds=self.rounds, per_block=self.per_block, seconds=round(time.time() - t_all, 1),
-                      errors={m: e[:5] for m, e in self.errors.items() if e})
+                      errors={m: e[:5] for m, e in self.errors.items() if e}, calls=self.calls, t0=self.G.T0,
+                      slowest={m: slowest(c) for m, c in self.calls.items()})
         want = self.rounds * self.per_block
         for mode in MODES:
             s.check("latency bench", f"CreateContainer through {LABEL[mode]}", "CRI CreateContainer", str(want),

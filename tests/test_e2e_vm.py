@@ -260,6 +260,21 @@ def test_nri_latency_bench_summary():
     assert empty["added"] == {} and empty["handler_us"]["p50"] is None
 
 
+def test_nri_latency_bench_names_the_slowest_calls():
+    """Every timed create is kept with its round, place in the block and time; the summary names
+    the slowest three of each mode, so a tail can be matched with the plugin's log."""
+    import nri_bench
+
+    calls = [[0, 0, 10.0, 5.0], [1, 0, 20.0, 900.5], [1, 1, 20.9, 7.0], [2, 0, 30.0, 300.0], [2, 3, 31.0, 6.0]]
+    assert nri_bench.slowest(calls) == [[1, 0, 20.0, 900.5], [2, 0, 30.0, 300.0], [1, 1, 20.9, 7.0]]
+    assert nri_bench.slowest([]) == []
+    r = nri_bench.summarize({"none": [1.0], "nri": [c[3] for c in calls], "proxy": [2.0]}, [])
+    r.update(rounds=3, per_block=25, slowest={"none": [], "nri": nri_bench.slowest(calls), "proxy": []})
+    lines = nri_bench.summary_lines(r)
+    [line] = [x for x in lines if "slowest" in x]
+    assert "NRI plugin" in line and "900.5 ms (round 2 call 1, t+20.0s)" in line and "300.0 ms (round 3 call 1" in line
+
+
 @pytest.mark.vm
 def test_real_kernel_suite(tmp_path):
     """Boot the VM and run the whole suite; every asserted cgroup file must match."""
