@@ -49,7 +49,8 @@ class Plugin:
         self.audit_log = os.path.join(logs, "nri-audit.jsonl")
         self.log = os.path.join(logs, "nri-plugin.log")
         self.args = ["nri", "--nri-socket", NRI_SOCK, "--kubelet-config", kubelet_config,
-                     "--cgroup-root", G.CGROOT, "--meminfo", meminfo, "--audit-log", self.audit_log]
+                     "--cgroup-root", G.CGROOT, "--meminfo", meminfo, "--audit-log", self.audit_log,
+                     "--log-level", "debug"]  # each runtime call's times and each loop hold-up in its log
         self.proc: subprocess.Popen | None = None
 
     def events(self, event: str) -> list[dict]:

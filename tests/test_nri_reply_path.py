@@ -162,3 +162,27 @@ def test_records_before_the_metrics_are_built_are_counted_once(tmp_path):
     finally:
         service.audit.close()
         service.reconciler.stop()
+
+
+def test_a_held_up_event_loop_is_counted_and_said_at_debug(caplog):
+    """watch_loop: a callback that holds the loop (a blocking sleep far above STALL) is one
+    stall in the stats, the longest hold-up kept, and at debug level a line per hold-up."""
+    import logging
+    import time
+
+    from shim.nri.plugin import STALL, PluginStats, watch_loop
+
+    stats = PluginStats()
+
+    async def main():
+        task = asyncio.ensure_future(watch_loop(stats, interval=0.01))
+        await asyncio.sleep(0.05)  # the watcher is sleeping
+        time.sleep(STALL * 4)  # the loop is held
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.DEBUG, logger="shim.nri"):
+        asyncio.run(main())
+    assert stats.loop_stalls >= 1 and stats.loop_lag_max > STALL
+    assert any("event loop was held up" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)

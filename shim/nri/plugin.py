@@ -244,7 +244,7 @@ async def watch_loop(stats: PluginStats, interval: float = 0.1, say_every: float
     """Measure how late the event loop wakes up (a sleep of ``interval`` that takes longer): the
     time a runtime call's bytes may sit unread while something else holds the loop or the
     process gets no CPU. Counted in ``stats``; a hold-up above 0.5 s is logged, at most once per
-    ``say_every`` seconds."""
+    ``say_every`` seconds, and at debug level every hold-up counted (at most one per ``STALL``)."""
     loop = asyncio.get_running_loop()
     said = -say_every
     while True:
@@ -255,6 +255,8 @@ async def watch_loop(stats: PluginStats, interval: float = 0.1, say_every: float
         if lag > STALL:
             stats.loop_stalls += 1
             stats.loop_lag_max = max(stats.loop_lag_max, lag)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("NRI: the event loop was held up %.3f s", lag)
             if lag > 0.5 and now - said >= say_every:
                 said = now
                 log.warning("NRI: the event loop was held up %.2f s (a runtime call waits as long; the runtime "
