@@ -166,13 +166,18 @@ def test_records_before_the_metrics_are_built_are_counted_once(tmp_path):
 
 def test_a_held_up_event_loop_is_counted_and_said_at_debug(caplog):
     """watch_loop: a callback that holds the loop (a blocking sleep far above STALL) is one
-    stall in the stats, the longest hold-up kept, and at debug level a line per hold-up."""
+    stall in the stats, the longest hold-up kept, and at debug level a line per hold-up naming
+    where the other threads are."""
     import logging
+    import threading
     import time
 
     from shim.nri.plugin import STALL, PluginStats, watch_loop
 
     stats = PluginStats()
+    done = threading.Event()
+    side = threading.Thread(target=done.wait, name="side-thread", daemon=True)
+    side.start()
 
     async def main():
         task = asyncio.ensure_future(watch_loop(stats, interval=0.01))
@@ -182,7 +187,12 @@ def test_a_held_up_event_loop_is_counted_and_said_at_debug(caplog):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    with caplog.at_level(logging.DEBUG, logger="shim.nri"):
-        asyncio.run(main())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="shim.nri"):
+            asyncio.run(main())
+    finally:
+        done.set()
     assert stats.loop_stalls >= 1 and stats.loop_lag_max > STALL
-    assert any("event loop was held up" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+    [line] = [r.getMessage() for r in caplog.records if "event loop was held up" in r.getMessage()
+              and r.levelno == logging.DEBUG][:1]
+    assert "side-thread: wait threading.py" in line

@@ -240,11 +240,34 @@ class PluginStats:
 STALL = 0.1  # seconds: a hold-up of the loop worth counting (a runtime call waits as long)
 
 
+def other_threads() -> str:
+    """Where each thread but this one is (name: function file:line of its innermost frame, and of
+    the innermost one in the shim's own code when that is another): after a hold-up of the loop,
+    the thread that held the interpreter is among them."""
+    import sys
+    import threading
+
+    def at(f) -> str:
+        return f"{f.f_code.co_name} {os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    here = threading.get_ident()
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == here:
+            continue
+        ours = frame
+        while ours is not None and f"{os.sep}shim{os.sep}" not in ours.f_code.co_filename:
+            ours = ours.f_back
+        out.append(f"{names.get(ident, ident)}: {at(frame)}" + (f" in {at(ours)}" if ours not in (None, frame) else ""))
+    return "; ".join(sorted(out))
+
+
 async def watch_loop(stats: PluginStats, interval: float = 0.1, say_every: float = 60.0) -> None:
     """Measure how late the event loop wakes up (a sleep of ``interval`` that takes longer): the
     time a runtime call's bytes may sit unread while something else holds the loop or the
     process gets no CPU. Counted in ``stats``; a hold-up above 0.5 s is logged, at most once per
-    ``say_every`` seconds, and at debug level every hold-up counted (at most one per ``STALL``)."""
+    ``say_every`` seconds, and at debug level every hold-up counted, with where the other threads are."""
     loop = asyncio.get_running_loop()
     said = -say_every
     while True:
@@ -256,7 +279,7 @@ async def watch_loop(stats: PluginStats, interval: float = 0.1, say_every: float
             stats.loop_stalls += 1
             stats.loop_lag_max = max(stats.loop_lag_max, lag)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("NRI: the event loop was held up %.3f s", lag)
+                log.debug("NRI: the event loop was held up %.3f s; the other threads now: %s", lag, other_threads())
             if lag > 0.5 and now - said >= say_every:
                 said = now
                 log.warning("NRI: the event loop was held up %.2f s (a runtime call waits as long; the runtime "
