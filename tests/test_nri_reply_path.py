@@ -196,3 +196,37 @@ def test_a_held_up_event_loop_is_counted_and_said_at_debug(caplog):
     [line] = [r.getMessage() for r in caplog.records if "event loop was held up" in r.getMessage()
               and r.levelno == logging.DEBUG][:1]
     assert "side-thread: wait threading.py" in line
+
+
+def test_the_nri_reconciler_does_not_import_the_runtime_client(tmp_path):
+    """NRI mode's reconciler has no runtime client: its start-up and its resyncs after a
+    Synchronize leave the CRI client's modules unimported (their imports held the interpreter
+    for seconds on a slow node, while the runtime's first calls waited)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "meminfo").write_text("MemTotal: 8000000 kB\n")
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cgroup.controllers").write_text("memory\n")
+    code = f"""
+import sys
+from shim.app.cli import build_parser
+from shim.app.config import resolve
+from shim.app.nri_front import NriService
+d = {str(tmp_path)!r}
+cfg = resolve(build_parser().parse_args(["nri", "--nri-socket", d + "/nri.sock", "--kubelet-config", "none",
+    "--cgroup-root", d + "/cg", "--meminfo", d + "/meminfo", "--audit-log", "none", "--kubelet-version", "1.33"]))
+s = NriService.from_config(cfg)
+s.reconciler.start()
+assert s.reconciler.sync(30)
+s.handler.synchronize([], [])
+s.handler.replied()
+assert s.reconciler.sync(30)
+print(s.reconciler.listings, "shim.node.runtime_client" in sys.modules)
+s.reconciler.stop()
+"""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["1 False"]

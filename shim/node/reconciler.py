@@ -376,8 +376,6 @@ class Reconciler(Worker):
         return changed
 
     def _resync(self, reason: str, fresh: bool) -> None:
-        from shim.node.runtime_client import RuntimeUnavailable, take_snapshot
-
         if not is_cgroup_v2(self.cgroup_root):  # cgroup v1: nothing will ever be written here
             self._check_tree()
             self.resyncs += 1
@@ -385,7 +383,9 @@ class Reconciler(Worker):
         if self.client is None and self.wait_for_listing and not self.listings:
             self.say_idle("waiting for the runtime's listing (NRI Synchronize): nothing is written before it")
             return
-        if self.client is not None:
+        if self.client is not None:  # (NRI mode has none: the runtime client's imports are not needed there)
+            from shim.node.runtime_client import RuntimeUnavailable, take_snapshot
+
             try:
                 snap = take_snapshot(self.client, None if fresh else self.state, self.capacity,
                                      self.state.snap_gen + 1)
