@@ -240,6 +240,12 @@ class ServiceThread:
         return self.service.reconciler
 
     def sync(self) -> None:
+        # A barrier on the relay's loop first: the relay writes an answer and then, in the same
+        # callback, hands the call to the call-finisher, so a client can hold its answer before the
+        # hand-over. A callback queued now runs after that one has ended.
+        relay_loop = getattr(self.service.proxy, "_loop", None) or self.loop
+        if relay_loop.is_running():
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), relay_loop).result(10)
         assert self.service.finisher.sync(10), "the call-finisher did not catch up"
         assert self.reconciler.sync(10), "reconciler did not catch up"
 
