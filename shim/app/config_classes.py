@@ -1,0 +1,130 @@
+"""The config-file keys ``classes`` and ``namespace-classes``: memory QoS classes a pod may ask
+for by annotation (shim.decision.classes), parsed and checked strictly at load. An error names
+the file, line and key (``config.yaml:4: classes: class 'batch': factor: must be in (0, 1]``),
+like every other setting.
+
+``classes`` is a map from a class name (a DNS label) to the settings it changes, named as the
+file's keys: ``policy``, ``factor`` (a number in (0, 1] or ``none`` for no memory.high),
+``protection-headroom-ratio``, ``protection-headroom-min``, ``guard-action``, ``reclaim``,
+``swap``. ``namespace-classes`` maps a namespace (``"*"``: every namespace) to the classes its
+pods may use; a namespace listing a class ``classes`` does not define is an error.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from shim.app.config_file import ConfigError
+from shim.decision.classes import (
+    ALL_NAMESPACES,
+    CLASS_KEYS,
+    EMPTY_TABLE,
+    MAX_NAME,
+    ClassTable,
+    ContainerClass,
+    make_table,
+    valid_name,
+)
+
+# The settings that change a decision: a recording's header keeps them and replay honours them.
+DECISION_SETTINGS = ("classes", "namespace-classes")
+
+MAX_CLASSES = 64  # classes a node may define
+MAX_NAMESPACES = 4096  # namespaces namespace-classes may name
+
+
+def _parsers() -> dict[str, Callable[[Any], Any]]:
+    # (the node's own parsers, so a class's value is read exactly as the node's key is)
+    from shim.app import config as c
+
+    def factor(v: Any) -> float | None:
+        f = c._factor(v)
+        if f == "auto":
+            raise ConfigError("a class's factor is a number in (0, 1] or 'none' ('auto' is the node's)")
+        return f
+
+    return {"policy": c._policy, "factor": factor, "protection-headroom-ratio": c._headroom_ratio,
+            "protection-headroom-min": c._quantity, "guard-action": c._guard_action, "reclaim": c._bool,
+            "swap": c._bool}
+
+
+def _name(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not valid_name(v):
+        raise ConfigError(f"{what} {v!r} is not a class name: lower-case letters, digits and '-', "
+                          f"starting and ending with a letter or digit, at most {MAX_NAME} characters")
+    return v
+
+
+def parse_classes(v: Any) -> tuple[ContainerClass, ...] | None:
+    """The ``classes`` map as a tuple of ContainerClass (sorted by name); None for an empty key."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ConfigError(f"expected a map of class name -> settings, not {type(v).__name__}")
+    if len(v) > MAX_CLASSES:
+        raise ConfigError(f"at most {MAX_CLASSES} classes, not {len(v)}")
+    parsers = _parsers()
+    out = []
+    for name, settings in v.items():
+        _name(name, "class")
+        if settings is None:
+            settings = {}
+        if not isinstance(settings, dict):
+            raise ConfigError(f"class {name!r}: expected a map of settings, not {type(settings).__name__}")
+        fields: dict[str, Any] = {}
+        for key, raw in settings.items():
+            norm = key.replace("_", "-") if isinstance(key, str) else key
+            if norm not in CLASS_KEYS:
+                raise ConfigError(f"class {name!r}: unknown setting {key!r}; a class may set {list(CLASS_KEYS)}")
+            try:
+                value = parsers[norm](raw)
+            except ConfigError as e:
+                raise ConfigError(f"class {name!r}: {key}: {e}") from None
+            if norm == "factor":
+                fields["factor_set"], fields["factor"] = True, value
+            else:
+                fields[{"protection-headroom-ratio": "headroom_ratio", "protection-headroom-min": "headroom_min",
+                        "guard-action": "guard_action"}.get(norm, norm)] = value
+        out.append(ContainerClass(name, **fields))
+    return tuple(sorted(out, key=lambda c: c.name))
+
+
+def parse_namespace_classes(v: Any) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+    """The ``namespace-classes`` map as (namespace, class names) pairs; None for an empty key."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ConfigError(f"expected a map of namespace -> list of class names, not {type(v).__name__}")
+    if len(v) > MAX_NAMESPACES:
+        raise ConfigError(f"at most {MAX_NAMESPACES} namespaces, not {len(v)}")
+    out = []
+    for ns, names in v.items():
+        if not isinstance(ns, str) or not (ns == ALL_NAMESPACES or valid_name(ns)):
+            raise ConfigError(f"{ns!r} is not a namespace name (a DNS label) or '{ALL_NAMESPACES}'")
+        if names is None:
+            names = []
+        if isinstance(names, str):
+            names = [names]
+        if not isinstance(names, list):
+            raise ConfigError(f"namespace {ns!r}: expected a list of class names, not {type(names).__name__}")
+        out.append((ns, tuple(sorted({_name(n, f'namespace {ns!r}: class') for n in names}))))
+    return tuple(sorted(out))
+
+
+def class_table(cfg: Any) -> ClassTable:
+    """The ClassTable of a Config (EMPTY_TABLE without classes)."""
+    classes = getattr(cfg, "classes", None)
+    if not classes:
+        return EMPTY_TABLE
+    return make_table({c.name: c for c in classes}, dict(getattr(cfg, "namespace_classes", None) or ()))
+
+
+def checked(cfg: Any) -> Any:
+    """``cfg`` when its namespace-classes name only classes it defines; else a ConfigError naming
+    the namespace-classes key as given."""
+    defined = {c.name for c in (cfg.classes or ())}
+    for ns, names in cfg.namespace_classes or ():
+        missing = [n for n in names if n not in defined]
+        if missing:
+            raise ConfigError(f"{cfg.setting('namespace-classes')}: namespace {ns!r} lists {missing}, which "
+                              f"classes does not define (defined: {sorted(defined)})")
+    return cfg
