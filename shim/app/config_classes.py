@@ -128,3 +128,15 @@ def checked(cfg: Any) -> Any:
             raise ConfigError(f"{cfg.setting('namespace-classes')}: namespace {ns!r} lists {missing}, which "
                               f"classes does not define (defined: {sorted(defined)})")
     return cfg
+
+
+def class_options(cfg: Any) -> dict[str, Any]:
+    """The rewriter's (and the NRI handler's) class keyword arguments from a Config: the class
+    table and the node's guard action and reclaim, which a class's own override."""
+    return {"classes": class_table(cfg), "guard_action": cfg.guard_action, "reclaim": cfg.reclaim}
+
+
+def unprotected_classes(settings: Any) -> frozenset[str]:
+    """The classes whose containers are not protected (their policy None over the node's): they
+    count 0 in the reconciler's pod / QoS / kubepods sums."""
+    return frozenset(name for name, s in settings.items() if name is not None and not s.protects)

@@ -28,6 +28,7 @@ class ContainerRef:
     uid: str
     cgroup_parent: str
     qos: str = ""
+    cls: str = ""  # the class it was created with ("" for none: the node's settings)
 
     def label(self) -> str:
         return f"{self.namespace}/{self.pod}/{self.container}"
@@ -50,7 +51,7 @@ class NodeView:
             qos = pod.qos_of(parent, parse)
             for c in pod.containers.values():
                 out.append(ContainerRef(c.id, pod.namespace, pod.name, c.name, pod.uid, parent,
-                                        qos.value if qos is not None else ""))
+                                        qos.value if qos is not None else "", c.cls))
         return cls(tuple(out))
 
 
