@@ -7,8 +7,6 @@ import json
 import tempfile
 from pathlib import Path
 
-from prometheus_client import Counter
-
 from shim.cri import pb
 from shim.cri.methods import RUNTIME_SERVICE
 from shim.evidence.metrics import Metrics
@@ -104,14 +102,13 @@ def test_classes_in_use_are_counted_from_the_container_annotation(tmp_path):
 
 def test_annotations_refused_are_read_from_the_running_shims_metrics(tmp_path):
     m = Metrics()
-    refused = Counter("memqos_class_refused", "annotations refused", ("reason",), registry=m.registry)
     host, port = m.serve("127.0.0.1:0")
     try:
         c = config(tmp_path, metrics_address=f"{host}:{port}")
         d = Doctor(c, env(fake_proc(tmp_path)))
         assert by_name(d.check_classes())["annotations refused"].summary == "since the shim started: none"
-        refused.labels("unknown-class").inc(3)
-        refused.labels("namespace-not-allowed").inc()
+        for reason in ("unknown-class",) * 3 + ("namespace-not-allowed",):  # as serve's audit stream feeds it
+            m.on_audit({"event": "rewrite", "method": "CreateContainer", "class": None, "class_refused": reason})
         r = by_name(d.check_classes())["annotations refused"]
         assert r.verdict == WARN
         assert r.summary == "since the shim started: namespace-not-allowed 1, unknown-class 3"

@@ -141,6 +141,6 @@ class ClassChecks(CheckBase):
             return Result(name, WARN, f"http://{self.cfg.metrics_address}/metrics did not answer: "
                                       f"{e.__class__.__name__}: {e}")
         total = sum(counts.values())
-        text = ", ".join(f"{r} {n}" for r, n in sorted(counts.items())) or "none"
+        text = ", ".join(f"{r} {n}" for r, n in sorted(counts.items()) if n) or "none"
         return Result(name, WARN if total else PASS, f"since the shim started: {text}",
                       ["the audit log's records with class_refused name the pod and the value"] if total else [])
