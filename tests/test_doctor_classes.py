@@ -3,10 +3,10 @@ by the class recorded in the shim's memqos.io/request annotation (a real ListCon
 fake runtime), annotations refused (a real /metrics endpoint)."""
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
+from shim.container.rewriter import container_note
 from shim.cri import pb
 from shim.cri.methods import RUNTIME_SERVICE
 from shim.evidence.metrics import Metrics
@@ -79,13 +79,13 @@ def test_classes_in_use_are_counted_from_the_container_annotation(tmp_path):
             sb_cfg = sandbox_config("web", "uid-1", "burstable")
             sid = _run(client, "RunPodSandbox", pb.RunPodSandboxRequest(config=sb_cfg),
                        pb.RunPodSandboxResponse).pod_sandbox_id
-            notes = {"a": {"class": "batch"}, "b": {"class": "batch"}, "c": {"class": "gone"}, "d": {}, "e": None}
-            for name, extra in notes.items():
+            # the annotation as the rewriter writes it (with the class it chose, or none)
+            notes = {"a": "batch", "b": "batch", "c": "gone", "d": None, "e": False, "f": "Not A Name"}
+            for name, cls in notes.items():
                 req = create_container(sid, sb_cfg, name, "burstable", request=64 << 20, limit=128 << 20)
-                if extra is not None:
-                    note = {"bytes": 64 << 20, "source": "kubelet-unified", "qos": "burstable",
-                            "cgroup_parent": "kubepods/burstable/poduid-1"} | extra
-                    req.config.annotations["memqos.io/request"] = json.dumps(note)
+                if cls is not False:
+                    req.config.annotations["memqos.io/request"] = container_note(
+                        64 << 20, "kubelet-unified", "Burstable", "kubepods/burstable/poduid-1", cls)
                 cid = _run(client, "CreateContainer", req, pb.CreateContainerResponse).container_id
                 if name != "b":  # b stays created, not running: not counted
                     _run(client, "StartContainer", pb.StartContainerRequest(container_id=cid),
@@ -95,7 +95,7 @@ def test_classes_in_use_are_counted_from_the_container_annotation(tmp_path):
         c = config(tmp_path, upstream=rt.address)
         r = by_name(Doctor(c, env(fake_proc(tmp_path))).check_classes())
     use = r["classes in use"]
-    assert use.summary == "running containers by class: batch 1, gone 1, node settings 1"
+    assert use.summary == "running containers by class: batch 1, gone 1, node settings 2"
     assert use.verdict == WARN and any("no longer defines: gone" in d for d in use.details)
     assert any(d.startswith("1 running container(s) without") for d in use.details)
 

@@ -34,7 +34,7 @@ def class_counts(containers) -> tuple[dict[str, int], int, int]:
     """(class -> running containers, running containers without a class, running containers the
     shim did not annotate) from CRI Container messages."""
     from shim.cri import pb
-    from shim.decision.pod import parse_annotation
+    from shim.decision.pod import note_class, parse_annotation
 
     per: dict[str, int] = {}
     none = unannotated = 0
@@ -45,8 +45,8 @@ def class_counts(containers) -> tuple[dict[str, int], int, int]:
         if note is None:
             unannotated += 1
             continue
-        cls = note.get("class")
-        if isinstance(cls, str) and cls:
+        cls = note_class(note)
+        if cls:
             per[cls] = per.get(cls, 0) + 1
         else:
             none += 1
@@ -118,14 +118,14 @@ class ClassChecks(CheckBase):
             per, none, unannotated = class_counts(self._running_containers())
         except Exception as e:  # the runtime not there: say so, never fail the command
             return Result(name, WARN, f"cannot list containers at {self.cfg.upstream}: {rpc_error(e)}")
-        parts = [f"{n} {per[n]}" for n in sorted(per)] + [f"node settings {none}"]
-        details = []
+        parts = [f"{n} {per[n]}" for n in sorted(per)[:SHOWN]] + [f"node settings {none}"]
+        details = [f"... and {len(per) - SHOWN} more class names"] if len(per) > SHOWN else []
         if unannotated:
             details.append(f"{unannotated} running container(s) without the shim's memqos.io/request annotation "
                            "(created before the shim, or not through it)")
         gone = sorted(n for n in per if n not in table.classes)
         if gone:
-            details.append(f"created with classes this configuration no longer defines: {', '.join(gone)} "
+            details.append(f"created with classes this configuration no longer defines: {', '.join(gone[:SHOWN])} "
                            "(an update or a restart gives them the node's settings)")
         return Result(name, WARN if gone else PASS, "running containers by class: " + ", ".join(parts), details)
 
