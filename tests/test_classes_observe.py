@@ -63,3 +63,19 @@ def test_observe_audits_the_swap_a_swap_class_would_allow():
     [e], [o] = decided(enf), decided(obs)
     assert o["class"] == "swappy" and o["unified_after"] == e["unified_after"]
     assert o["unified_after"].get("memory.swap.max") == "max"
+
+
+def test_observe_remembers_the_class_for_the_containers_updates_within_the_run():
+    from shim.cri.methods import UPDATE_CONTAINER_RESOURCES
+    from tests.kubelet_requests import update_resources
+
+    records: list = []
+    hooks = ContainerMemoryQoS(NODE, Policy.HARD, records.append, classes=TABLE, rollout=Rollout("observe"))
+    sb = sandbox_config("p", UID, "burstable", annotations={"memqos.io/class": "latency-critical"})
+    req = create_container("s1", sb, "main", "burstable", request=256 * MI, limit=1024 * MI)
+    run(hooks, CREATE_CONTAINER, req.SerializeToString(), pb.CreateContainerResponse(container_id="c1").SerializeToString())
+    upd = update_resources("c1", limit=2048 * MI, oom_score_adj=500).SerializeToString()
+    assert run(hooks, UPDATE_CONTAINER_RESOURCES, upd) == upd
+    last = decided(records)[-1]
+    assert last["method"] == "UpdateContainerResources" and last["rollout"] == "observe"
+    assert (last["class"], last["class_source"]) == ("latency-critical", "remembered")
