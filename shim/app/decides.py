@@ -74,23 +74,3 @@ def parse_recorded(o: Option, value: Any) -> Any:
         return o.parse(value)
     except (ConfigError, QuantityError, TypeError, ValueError) as e:
         raise ConfigError(f"the trace header's shim.settings.{o.name} {value!r}: {e}") from None
-
-
-def unused_settings(path: str | None, used: tuple[Option, ...]) -> list[str]:
-    """The settings of the config file at ``path`` that a command taking only ``used`` does not
-    use, each as the file writes it (``c.yaml:3: listen``). Unknown keys and bad values are
-    refused by ``resolve`` before this is asked."""
-    if not path:
-        return []
-    from shim.app.config import load_entries
-
-    names = {o.name for o in used}
-    return [value.where for name, value in load_entries(path).items() if name not in names]
-
-
-def unused_note(command: str, path: str | None, used: tuple[Option, ...]) -> str | None:
-    """One line naming the config file's settings ``command`` does not use; None when none."""
-    unused = unused_settings(path, used)
-    if not unused:
-        return None
-    return f"note: {command} does not use these settings of its config file: {'; '.join(unused)}"

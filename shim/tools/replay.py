@@ -10,15 +10,23 @@ CreateContainer / UpdateContainerResources -- are the result, each tagged with t
 the call that produced it.
 
 Node facts come from the trace header (mem_total_bytes, page_size, cgroup_driver,
-kubelet_config; a memqos-shim recording also stores the allocatable, factor and policy it
-decided with). Precedence: flag > ``--config`` file > trace header > built-in default.
-``--kubelet-config`` and ``--mem-total`` are flags only: they replace the header's node facts.
+kubelet_config); a memqos-shim recording also stores every deciding setting it decided with
+(``shim.settings``: the options marked ``decides=True``, shim.app.decides). Each deciding
+setting: flag > ``--config`` file > trace header (``shim.settings``, then the older keys
+shim.policy / allocatable / factor / kubelet_version) > built-in default; the summary line
+names each one's origin, and a note names those the header does not carry. A known setting of
+the ``--config`` file that replay does not use is named in a note (shim.app.config_unused).
+``--kubelet-config`` and ``--mem-total`` are flags only: they replace the header's node facts
+(and the allocatable memory is computed anew from them).
 
 The replay also checks the path itself: every answer the client gets must be the recorded
 one (code, details, response bytes) and every request the runtime receives must be the
 recorded one apart from the fields the shim owns. Any difference is a replay problem (exit 3).
 For a memqos-shim recording, forwarded bytes that differ from the recorded ``forwarded`` are
 reported as notes (expected when flags change the settings).
+
+``--expect`` takes a stored ``--json`` output or the audit log of the run that recorded the
+trace (its call records; ``time`` never compared, ``seq`` where the file has it).
 
 Exit codes: 0 ok; 1 the records differ from ``--expect``; 2 usage, unreadable trace or
 config; 3 the replay did not reproduce the recorded traffic.
@@ -445,8 +453,20 @@ def records_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def call_records(records: list[dict]) -> list[dict]:
+    """The records of calls (those naming a method): all of a stored --json output; of an audit
+    log (`serve`'s own, for --expect) the records a replay makes, without the start record,
+    the reconciler's, the guard's."""
+    return [r for r in records if "method" in r]
+
+
+def _comparable(record: dict, seq: bool) -> dict:
+    return {k: v for k, v in record.items() if k not in VOLATILE_KEYS and (seq or k != "seq")}
+
+
 def compare_records(expected: list[dict], got: list[dict]) -> list[str]:
-    """Differences between stored and produced records, one line each."""
+    """Differences between stored and produced records, one line each. ``time`` is never
+    compared, ``seq`` only where the stored record has one (an audit log's records have none)."""
     out = []
     for i in range(max(len(expected), len(got))):
         if i >= len(got):
@@ -455,7 +475,7 @@ def compare_records(expected: list[dict], got: list[dict]) -> list[str]:
         if i >= len(expected):
             out.append(f"record {i + 1} (seq {got[i].get('seq')}): unexpected {json.dumps(got[i])}")
             continue
-        e, g = expected[i], got[i]
+        e, g = _comparable(expected[i], True), _comparable(got[i], "seq" in expected[i])
         if e == g:
             continue
         for key in list(e) + [k for k in g if k not in e]:
@@ -500,7 +520,7 @@ def given_settings(cfg, config_path: str | None) -> dict[str, tuple[Any, str]]:
 
 def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     from shim.app.config import ConfigError, resolve
-    from shim.app.decides import unused_note
+    from shim.app.config_unused import unused_note
     from shim.decision.quantity import QuantityError, parse_bytes
 
     out = out or sys.stdout
@@ -539,7 +559,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
         print(f"  ... {len(result.problems) - 50} more problems", file=err)
     if args.expect:
         try:
-            expected = load_records(args.expect)
+            expected = call_records(load_records(args.expect))
         except (OSError, ValueError) as e:
             print(f"memqos-shim replay: --expect {args.expect}: {e}", file=err)
             return 2
@@ -560,8 +580,9 @@ def register(subparsers) -> None:
         "replay",
         help="replay a CRI trace through the shim's request path and print its audit records",
         description="Replay a cri-trace through a real proxy with the shim's hooks, in front of a fake "
-                    "runtime answering with the recorded responses. Node facts come from the trace "
-                    "header; flags and --config override them. Exit: 0 ok, 1 differs from --expect, "
+                    "runtime answering with the recorded responses. Node facts and the settings that "
+                    "change decisions come from the trace header; flags and --config override them. "
+                    "Exit: 0 ok, 1 differs from --expect, "
                     "2 usage/trace error, 3 the replay did not reproduce the recorded traffic.",
     )
     p.add_argument("trace", metavar="TRACE", help="cri-trace file (JSON lines)")
@@ -572,5 +593,6 @@ def register(subparsers) -> None:
                    help="KubeletConfiguration file to use instead of the header's kubelet_config")
     p.add_argument("--json", action="store_true", help="one JSON object per audit record and line")
     p.add_argument("--expect", metavar="FILE",
-                   help="compare the records with a stored --json output; exit 1 on any difference")
+                   help="compare the records with a stored --json output, or with the audit log of the "
+                        "run that recorded the trace; exit 1 on any difference")
     p.set_defaults(func=cmd_replay)
