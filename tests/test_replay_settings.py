@@ -187,3 +187,73 @@ def test_the_config_file_wins_over_the_header_and_its_unused_keys_are_named(tmp_
     note = next(line for line in err.splitlines() if "does not use" in line)
     assert f"{used_and_unused}:2: listen" in note and f"{used_and_unused}:3: reclaim" in note
     assert "protection-headroom-ratio" not in note
+
+
+# -- traces without shim.settings ---------------------------------------------------------------
+def test_an_older_recording_replays_as_before_with_a_note_naming_the_defaults_taken(tmp_path, capsys):
+    """A recording made before shim.settings (policy, allocatable, factor and kubelet_version in
+    their own keys) replays with those and the defaults for the rest, and says which."""
+    rec, audit = _record(tmp_path, {"policy": "Soft", "factor": 0.5})
+    trace = read_trace(rec)
+    older = {k: v for k, v in trace.header.shim.items() if k != "settings"}
+    assert {"policy", "allocatable", "factor"} <= set(older)
+    path = tmp_path / "older.jsonl"
+    write_trace(str(path), {**trace.header.raw, "shim": older}, trace.calls)
+    assert main(["replay", str(path), "--json", "--expect", audit]) == 0
+    _, err = capsys.readouterr()
+    note = next(line for line in err.splitlines() if "does not carry" in line)
+    assert note.endswith("note: the trace header does not carry mode, kubelet-version, protection-headroom-ratio, "
+                         "protection-headroom-min, correct-kubelet-min; replayed with mode enforce, kubelet-version "
+                         "unknown, protection-headroom-ratio 0.1, protection-headroom-min 8388608, "
+                         "correct-kubelet-min false")
+    assert "policy Soft (trace header)" in _summary(err) and "factor 0.5 (trace header)" in _summary(err)
+
+
+def test_a_kubelet_trace_replays_to_its_golden_file_with_a_note_naming_the_defaults_taken(capsys):
+    from pathlib import Path
+
+    golden = Path(__file__).parent / "golden" / f"{MEMQOS_ON}.replay.jsonl"
+    assert main(["replay", str(trace_file(MEMQOS_ON)), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert out == golden.read_text()  # byte for byte
+    assert ("note: the trace header does not carry mode, policy, protection-headroom-ratio, "
+            "protection-headroom-min, correct-kubelet-min; replayed with mode enforce, policy Hard, "
+            "protection-headroom-ratio 0.1, protection-headroom-min 8388608, correct-kubelet-min false") in err
+    summary = _summary(err)
+    assert "kubelet-version 1.23 (trace header)" in summary and "factor 0.8 (kubelet memoryThrottlingFactor)" \
+        in summary and "node-allocatable 1850703872 (capacity - kubeReserved - systemReserved)" in summary
+
+
+# -- settings changed while serve runs ----------------------------------------------------------
+def test_a_setting_changed_while_running_is_in_the_next_files_header(tmp_path):
+    """`mode` switched on SIGHUP and the kubelet's version found late reach the header of the
+    recorder's next file (a reopen after logrotate here); the current file keeps its own."""
+    import os
+
+    from shim.app.cli import build_parser
+    from shim.app.config import resolve
+    from shim.app.service import Service
+    from shim.transport.hooks import RpcCall
+
+    (tmp_path / "meminfo").write_text("MemTotal:       2000000 kB\n")
+    args = build_parser().parse_args([
+        "serve", "--kubelet-config", "none", "--meminfo", str(tmp_path / "meminfo"),
+        "--cgroup-root", str(tmp_path), "--audit-log", "none", "--record", str(tmp_path / "rec.jsonl"),
+        "--reconcile", "false", "--monitor-interval", "0", "--kubelet-version", "unknown"])
+    service = Service.from_config(resolve(args))
+    recorder = service.recorder
+    try:
+        assert service.set_mode("observe", "test")
+        service.kubelet_version_known((1, 37), "test")
+        os.rename(tmp_path / "rec.jsonl", tmp_path / "rec.jsonl.old")
+        recorder.reopen()
+        recorder.finished(RpcCall("/runtime.v1.RuntimeService/StartContainer", 1.0, 0.1, b"", None, [b""], "OK", ""))
+        assert recorder.flush()
+    finally:
+        recorder.close()
+        service.audit.close()
+    first, second = read_trace(str(tmp_path / "rec.jsonl.old")).header, read_trace(str(tmp_path / "rec.jsonl")).header
+    assert (first.shim["settings"]["mode"], first.shim["settings"]["kubelet-version"]) == ("enforce", "unknown")
+    assert "kubelet_version" not in first.shim
+    assert (second.shim["settings"]["mode"], second.shim["settings"]["kubelet-version"]) == ("observe", "1.37")
+    assert second.shim["kubelet_version"] == "1.37"
