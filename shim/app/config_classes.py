@@ -110,6 +110,22 @@ def parse_namespace_classes(v: Any) -> tuple[tuple[str, tuple[str, ...]], ...] |
     return tuple(sorted(out))
 
 
+def classes_file_form(classes: tuple[ContainerClass, ...] | None) -> dict[str, dict[str, Any]] | None:
+    """``classes`` as the config file writes it (class name -> its settings by file key), the
+    form parse_classes takes back: a recording's header keeps it so (shim.app.decides)."""
+    return None if classes is None else {c.name: c.settings() for c in classes}
+
+
+def namespace_classes_file_form(pairs: tuple[tuple[str, tuple[str, ...]], ...] | None) -> dict[str, list[str]] | None:
+    """``namespace-classes`` as the config file writes it (namespace -> class names)."""
+    return None if pairs is None else {ns: list(names) for ns, names in pairs}
+
+
+# the header's form of the class settings, for shim.app.decides (by option name)
+FILE_FORMS: dict[str, Callable[[Any], Any]] = {"classes": classes_file_form,
+                                               "namespace-classes": namespace_classes_file_form}
+
+
 def class_table(cfg: Any) -> ClassTable:
     """The ClassTable of a Config (EMPTY_TABLE without classes)."""
     classes = getattr(cfg, "classes", None)
