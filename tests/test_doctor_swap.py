@@ -130,3 +130,16 @@ def test_doctor_prints_the_swap_lines(tmp_path):
             kubelet_config=str(tmp_path / "kubelet.yaml"), kubelet_version="1.33")
     names = [r.name for r in Doctor(c, env(fake_proc(tmp_path))).run()]
     assert names.index("kubelet config") < names.index("swap") < names.index("kubelet swap")
+
+
+def test_swap_classes_are_said_to_change_nothing_where_the_kubelet_sends_memory_swap_max(tmp_path):
+    conf = tmp_path / "classes.yaml"
+    conf.write_text("classes: {swappy: {swap: true}}\nnamespace-classes: {'*': [swappy]}\n")
+    r = run(tmp_path, config=str(conf))  # v1.33, accounting: NoSwap sends 0 to every container
+    k = r["kubelet swap"]
+    assert k.verdict == WARN and any("classes allowing swap (swappy) change nothing here" in d for d in k.details)
+    old = tmp_path / "old"
+    old.mkdir()
+    r = run(old, config=str(conf), version="1.27")  # gate off: the kubelet sends nothing about swap
+    k = r["kubelet swap"]
+    assert k.verdict == PASS and any("swappy): their containers get memory.swap.max max" in d for d in k.details)

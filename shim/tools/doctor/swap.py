@@ -215,4 +215,12 @@ class SwapChecks(CheckBase):
                                                          cgroup_v2=is_cgroup_v2(self.cfg.cgroup_root))
         details = [f"kubelet version: {how}"] + details + list(k.problems)
         details.append("the shim keeps what the kubelet sends in memory.swap.max: never removed, never lowered")
+        classes = self._swap_classes()
+        if classes and "memory.swap.max" in summary and "nothing" not in summary:
+            # (a swap class adds memory.swap.max: max only where the kubelet sent none)
+            problems.append(f"classes allowing swap ({', '.join(classes)}) change nothing here: this kubelet sends "
+                            "memory.swap.max for their containers, which the shim keeps")
+        elif classes:
+            details.append(f"classes allowing swap ({', '.join(classes)}): their containers get memory.swap.max max "
+                           "where the kubelet sends none")
         return Result(name, WARN if problems or k.problems else PASS, summary, problems + details)
