@@ -192,3 +192,21 @@ def test_the_parsers_take_back_the_json_form_of_their_own_result(tmp_path):
         assert parse(json.loads(json.dumps(_json_form(value)))) == value
         assert parse(None) is None
     assert DECISION_SETTINGS == ("classes", "namespace-classes")
+
+
+def test_the_documented_examples_load(tmp_path):
+    """The YAML of docs/configuration.md's and docs/memory-qos.md's class sections, and the
+    commented class block of deploy/config.yaml uncommented, are valid configurations."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc, heading in (("configuration.md", "## Classes and namespace-classes"), ("memory-qos.md", "## 7. Classes")):
+        text = (root / "docs" / doc).read_text(encoding="utf-8").split(heading, 1)[1]
+        block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+        table = class_table(load(tmp_path, block))
+        assert table and table.allowed("default", "latency-critical")
+    deploy = (root / "deploy" / "config.yaml").read_text(encoding="utf-8")
+    block = deploy.split("# classes:", 1)[1]
+    uncommented = "classes:" + "\n".join(line[2:] if line.startswith("# ") else line for line in block.splitlines())
+    assert sorted(class_table(load(tmp_path, uncommented)).classes) == ["batch", "latency-critical"]
