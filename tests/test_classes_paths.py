@@ -205,3 +205,39 @@ def test_refusals_are_counted_by_reason_from_the_audit_stream():
     assert 'memqos_class_refused_total{reason="unknown-class"} 2.0' in text
     assert 'memqos_class_refused_total{reason="malformed"} 1.0' in text
     assert 'memqos_class_refused_total{reason="namespace-not-allowed"} 0.0' in text
+
+
+# -- serve end to end: a restart rebuilt from the runtime's listing ------------------------------
+
+def test_a_restarted_serve_keeps_each_containers_class_for_updates_and_sums(tmp_path):
+    from tests.test_reconciler import Stack
+    from tests.reconciler_support import wait_for
+
+    config = tmp_path / "classes.yaml"
+    config.write_text("classes:\n  latency-critical: {factor: none}\n  batch: {policy: None, factor: 0.5}\n"
+                      "namespace-classes:\n  default: [latency-critical, batch]\n")
+    s = Stack(tmp_path, extra=("--config", str(config)))
+    lc_uid, batch_uid = "7c1d0000-0000-4000-8000-0000000000a1", "7c1d0000-0000-4000-8000-0000000000a2"
+    lc = s.kubelet.run_pod("lc", lc_uid, "burstable", annotations={"memqos.io/class": "latency-critical"})
+    lc_cid = s.kubelet.create(lc, "main", "burstable", request=32 * MI, limit=128 * MI)
+    batch = s.kubelet.run_pod("batch", batch_uid, "burstable", annotations={"memqos.io/class": "batch"})
+    s.kubelet.create(batch, "main", "burstable", request=64 * MI, limit=256 * MI)
+    tree = s.tree
+    wait_for(lambda: tree.get(tree.pod("burstable", lc_uid)) == 32 * MI)
+    wait_for(lambda: tree.get(tree.kubepods) == 32 * MI)  # the batch container counts 0
+    assert tree.get(tree.pod("burstable", batch_uid)) == 0
+    runtime = s.rt.runtime
+    s.close()
+
+    s = Stack(tmp_path, tree=tree, runtime=runtime, extra=("--config", str(config)))
+    try:
+        wait_for(lambda: s.svc.reconciler.view.classes.get(lc_cid) == "latency-critical")
+        assert s.svc.reconciler.state.unprotected == frozenset({"batch"})
+        s.kubelet.update(lc_cid, limit=256 * MI, oom_score_adj=900, unified={"memory.min": str(32 * MI)})
+        s.sync()
+        (rec,) = [r for r in s.records() if r.get("method") == "UpdateContainerResources"]
+        assert rec["class"] == "latency-critical" and rec["class_source"] == "remembered"
+        assert rec["unified_after"]["memory.high"] == "max"
+        assert tree.get(tree.kubepods) == 32 * MI
+    finally:
+        s.close()

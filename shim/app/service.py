@@ -217,6 +217,7 @@ class Service:
         reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
         if reconciler is not None:
             reconciler.state.unprotected = unprotected_classes(qos.class_settings)
+            qos.recorded_class = lambda cid: reconciler.view.classes.get(cid)
         from shim.guard.monitor import build_monitor
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler,

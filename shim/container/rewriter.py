@@ -136,6 +136,9 @@ class ContainerMemoryQoS:
         self.classes = classes
         self.base = ContainerSettings(None, node, policy, guard_action, reclaim)
         self.class_settings = classes.resolve(self.base)
+        # container id -> the class it was created with, for a container this rewriter did not see
+        # created (serve wires the reconciler's view: rebuilt from the runtime's listings)
+        self.recorded_class: Callable[[str], str | None] | None = None
         # enforce or observe: read once per call (one attribute), switched live by Rollout.set
         self.rollout = rollout if rollout is not None else Rollout()
         # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
@@ -169,11 +172,15 @@ class ContainerMemoryQoS:
         choice = choose_class(self.classes, pod, name)
         return choice, self.class_settings[choice.name]
 
-    def settings_of(self, known: KnownContainer | None) -> tuple[ClassChoice, ContainerSettings]:
-        """The class a known container was created with, and its settings."""
-        if known is None or known.cls is None:
+    def settings_of(self, known: KnownContainer | None, cid: str = "") -> tuple[ClassChoice, ContainerSettings]:
+        """The class a container was created with, and its settings: the rewriter's memory, else
+        (a container created before a restart) what the node state read from its annotation."""
+        cls = known.cls if known is not None else None
+        if known is None and self.classes and self.recorded_class is not None and cid:
+            cls = self.recorded_class(cid)
+        if cls is None:
             return NO_CLASS, self.base
-        choice = remembered(self.classes, known.cls)
+        choice = remembered(self.classes, cls)
         return choice, self.class_settings.get(choice.name, self.base)
 
     # -- CallHooks ---------------------------------------------------------------
@@ -391,7 +398,7 @@ class ContainerMemoryQoS:
             pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
             base["note"] = "container not seen at creation: QoS and request from the update alone"
         owns = self.kubelet_keys
-        choice, settings = self.settings_of(known)
+        choice, settings = self.settings_of(known, msg.container_id)
         decision = with_swap(decide(pod, facts, settings.node, settings.policy, request_override, reset_absent=True,
                                     kubelet_owns=owns), settings)
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}

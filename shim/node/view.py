@@ -2,14 +2,16 @@
 
 The reconciler's NodeState is mutated by its own thread only. After each change it applies,
 the reconciler publishes a ``NodeView``: an immutable tuple of ``ContainerRef`` (one per
-container: its id, pod, container name, cgroup parent and QoS class), replacing a single
-attribute. A reader (the monitor) takes that attribute once and iterates it without locks
+container: its id, pod, container name, cgroup parent, QoS class and memory QoS class),
+replacing a single attribute; ``classes`` indexes the containers created with a class (the
+rewriter's updates of a container created before the shim restarted). A reader (the monitor) takes that attribute once and iterates it without locks
 or retries.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping
 
 from shim.decision.qos import parse_cgroup_parent
 
@@ -39,6 +41,8 @@ class NodeView:
     """Every container of the node state, immutable."""
 
     containers: tuple[ContainerRef, ...] = ()
+    # container id -> the class it was created with, for the containers created with one
+    classes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def of(cls, state: NodeState) -> "NodeView":
@@ -52,7 +56,7 @@ class NodeView:
             for c in pod.containers.values():
                 out.append(ContainerRef(c.id, pod.namespace, pod.name, c.name, pod.uid, parent,
                                         qos.value if qos is not None else "", c.cls))
-        return cls(tuple(out))
+        return cls(tuple(out), MappingProxyType({r.id: r.cls for r in out if r.cls}))
 
 
 _PARSED: dict = {}
