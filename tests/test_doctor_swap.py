@@ -90,9 +90,10 @@ def test_a_bad_swap_behaviour_is_a_problem(tmp_path):
     ((1, 25), KubeletSwap(), "nothing about swap"),
     ((1, 25), KubeletSwap(gate=True), "memory_swap_limit_in_bytes = the memory limit"),
     ((1, 25), KubeletSwap(gate=True, behavior="UnlimitedSwap"), "memory_swap_limit_in_bytes -1"),
-    ((1, 28), KubeletSwap(), "NodeSwap gate off (default): nothing about swap"),
+    ((1, 28), KubeletSwap(), "NodeSwap gate off (default): unified memory.swap.max 0 for every container"),
     ((1, 29), KubeletSwap(gate=True, behavior="LimitedSwap"), "request / MemTotal x swap size for Burstable"),
     ((1, 29), KubeletSwap(gate=True, behavior="UnlimitedSwap"), "memory.swap.max max for every container"),
+    ((1, 28), KubeletSwap(gate=True), "UnlimitedSwap (the default then): unified memory.swap.max max"),
     ((1, 30), KubeletSwap(), "NodeSwap gate on (default), NoSwap (default): unified memory.swap.max 0"),
     ((1, 34), KubeletSwap(behavior="LimitedSwap"), "LimitedSwap: unified memory.swap.max for every container"),
 ])

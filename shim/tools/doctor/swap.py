@@ -4,7 +4,7 @@ behaviour and QoS class.
 
 What the kubelet does, read in its source (pkg/kubelet/kuberuntime/kuberuntime_container_linux.go)
 and KEP-2400 (kubernetes/enhancements keps/sig-node/2400-node-swap, "Implementation History");
-docs/operations.md, "Swap", cites the same:
+docs/memory-qos.md section 8 ("Swap") has the table:
 
 * before v1.22: no swap support; with swap on the kubelet refuses to start unless
   ``failSwapOn: false``, and sends nothing about swap (the runtime's default: no limit).
@@ -12,9 +12,10 @@ docs/operations.md, "Swap", cites the same:
   ``unified``: ``memory_swap_limit_in_bytes`` (memory + swap) = the memory limit for
   ``LimitedSwap`` or an empty behaviour (no swap beyond the limit), -1 for ``UnlimitedSwap``.
   Gate off: nothing.
-* v1.28-v1.29 (beta 1, gate off by default; kubernetes#118764): on cgroup v2 ``unified``
-  ``memory.swap.max``: ``LimitedSwap`` gives Burstable containers request / MemTotal x swap
-  size and the others 0; ``UnlimitedSwap`` gives ``max``.
+* v1.28-v1.29 (beta 1, gate off by default; kubernetes#118764, #120784): where the kubelet's
+  own cgroup has ``memory.swap.max``, ``unified`` ``memory.swap.max``: ``0`` for every container
+  with the gate off; with it on, ``LimitedSwap`` gives Burstable containers request / MemTotal x
+  swap size and the others 0, ``UnlimitedSwap`` (the default then) gives ``max``.
 * v1.30 and later (beta 2, gate on by default; ``NoSwap`` the default behaviour and
   ``UnlimitedSwap`` gone, kubernetes#122745): whenever the kubelet's own cgroup has a
   ``memory.swap.max`` file, every container's ``unified`` carries ``memory.swap.max``: under
@@ -122,11 +123,12 @@ def kubelet_swap_writes(version: tuple[int, int] | None, cfg: KubeletSwap, *, ac
         return f"{gate_text}: nothing about swap in CRI (no swap accounting)", details, problems
     if v < (1, 30):
         if not gate:
-            return f"{gate_text}: nothing about swap in CRI (the runtime's default: no limit)", details, problems
-        if behavior == UNLIMITED:
-            return f"{gate_text}, UnlimitedSwap: unified memory.swap.max max for every container", details, problems
-        details.append("Guaranteed, BestEffort: memory.swap.max 0")
-        return (f"{gate_text}, {behavior or LIMITED}: unified memory.swap.max = request / MemTotal x swap size "
+            return f"{gate_text}: unified memory.swap.max 0 for every container (no container swaps)", details, problems
+        if behavior != LIMITED:
+            return (f"{gate_text}, {behavior or UNLIMITED + ' (the default then)'}: unified memory.swap.max max for "
+                    "every container", details, problems)
+        details.append("Guaranteed, BestEffort, request = limit, critical pods: memory.swap.max 0")
+        return (f"{gate_text}, {LIMITED}: unified memory.swap.max = request / MemTotal x swap size "
                 "for Burstable containers, 0 for the others", details, problems)
     if behavior == UNLIMITED:
         problems.append("memorySwap.swapBehavior UnlimitedSwap was removed in v1.30: this kubelet does not accept it")
