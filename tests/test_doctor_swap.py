@@ -144,3 +144,18 @@ def test_swap_classes_are_said_to_change_nothing_where_the_kubelet_sends_memory_
     r = run(old, config=str(conf), version="1.27")  # gate off: the kubelet sends nothing about swap
     k = r["kubelet swap"]
     assert k.verdict == PASS and any("swappy): their containers get memory.swap.max max" in d for d in k.details)
+
+
+def test_before_the_kubelet_made_kubepods_another_cgroup_says_whether_swap_is_accounted(tmp_path):
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "system.slice").mkdir()
+    (root / "system.slice" / "memory.swap.max").write_text("max\n")
+    (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\nSwapTotal: 0 kB\n")
+    (tmp_path / "kubelet.yaml").write_text("cgroupDriver: cgroupfs\n")
+    c = cfg(cgroup_root=str(root), meminfo=str(tmp_path / "meminfo"), kubelet_config=str(tmp_path / "kubelet.yaml"),
+            kubelet_version="1.33")
+    d = Doctor(c, env(fake_proc(tmp_path)))
+    assert "system.slice/memory.swap.max max" in d.check_swap().details[0]
+    assert d.check_kubelet_swap().verdict == PASS  # accounted: NoSwap sends 0

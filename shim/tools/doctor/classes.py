@@ -106,7 +106,7 @@ class ClassChecks(CheckBase):
             out.append(Result("namespaces allowed", WARN, f"no namespace may use {', '.join(unused)}", lines))
         else:
             every = ns.get("*")
-            summary = f"{len(ns)} entries" + (f"; every namespace may use {', '.join(sorted(every))}" if every else "")
+            summary = f"{len(ns)} namespace{'s' if len(ns) > 1 else ''} named" + (f"; every namespace may use {', '.join(sorted(every))}" if every else "")
             out.append(Result("namespaces allowed", PASS, summary, lines))
         out.append(self._in_use(table))
         out.append(self._refused())

@@ -159,13 +159,26 @@ class SwapChecks(CheckBase):
         return kubelet_swap_config(doc)
 
     def _kubepods_swap_max(self) -> tuple[str, str | None]:
-        """(the kubepods cgroup's path, its memory.swap.max or None when there is none)."""
+        """(the cgroup read, its memory.swap.max or None when there is none): kubepods, or before
+        the kubelet made it, the first child of the root that has the file (the kernel gives every
+        non-root cgroup one when it accounts swap)."""
         from shim.effects.layout import CgroupLayout
 
         _, driver = self._driver()
-        kp = os.path.join(self.cfg.cgroup_root, CgroupLayout(driver, self.kubelet.cgroup_root).kubepods)
-        text = read_text(os.path.join(kp, "memory.swap.max"), 64)
-        return kp, (text.strip() if text is not None else None)
+        root = self.cfg.cgroup_root
+        kp = os.path.join(root, CgroupLayout(driver, self.kubelet.cgroup_root).kubepods)
+        candidates = [kp]
+        if not os.path.isdir(kp):
+            try:
+                candidates += sorted(os.path.join(root, n) for n in os.listdir(root)
+                                     if os.path.isdir(os.path.join(root, n)))[:64]
+            except OSError:
+                pass
+        for d in candidates:
+            text = read_text(os.path.join(d, "memory.swap.max"), 64)
+            if text is not None:
+                return d, text.strip()
+        return kp, None
 
     def _swap_classes(self) -> list[str]:
         return sorted(c.name for c in (getattr(self.cfg, "classes", None) or ()) if getattr(c, "swap", False))
