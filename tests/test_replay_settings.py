@@ -225,9 +225,9 @@ def test_a_kubelet_trace_replays_to_its_golden_file_with_a_note_naming_the_defau
     golden = Path(__file__).parent / "golden" / f"{MEMQOS_ON}.replay.jsonl"
     assert main(["replay", str(trace_file(MEMQOS_ON)), "--json"]) == 0
     out, err = capsys.readouterr()
-    # record for record (a map's key order, unified_before's, is the protobuf map's: not fixed)
-    assert [json.loads(line) for line in out.splitlines()] == \
-        [json.loads(line) for line in golden.read_text().splitlines()]
+    # the same records (a unified map's key order is protobuf's map order, not the shim's)
+    assert [json.loads(line) for line in out.splitlines()] == [json.loads(line) for line in
+                                                               golden.read_text().splitlines()]
     assert ("note: the trace header does not carry mode, policy, protection-headroom-ratio, "
             "protection-headroom-min, correct-kubelet-min, classes, namespace-classes; replayed with mode enforce, "
             "policy Hard, protection-headroom-ratio 0.1, protection-headroom-min 8388608, correct-kubelet-min false, "

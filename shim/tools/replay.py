@@ -583,7 +583,8 @@ def register(subparsers) -> None:
         help="replay a CRI trace through the shim's request path and print its audit records",
         description="Replay a cri-trace through a real proxy with the shim's hooks, in front of a fake "
                     "runtime answering with the recorded responses. Node facts and the settings that "
-                    "change decisions come from the trace header; flags and --config override them. "
+                    "change decisions come from the trace header; flags and --config override them "
+                    "(--kubelet-version auto: the recording's; nothing is run). "
                     "Exit: 0 ok, 1 differs from --expect, "
                     "2 usage/trace error, 3 the replay did not reproduce the recorded traffic.",
     )
