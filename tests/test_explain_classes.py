@@ -85,3 +85,8 @@ def test_class_needs_a_config_and_a_bad_config_is_named(capsys, tmp_path):
     bad.write_text("classes:\n  batch: {factor: 7}\n")
     rc, _, err = explain(capsys, "--class", "batch", config=str(bad))
     assert rc == 2 and "bad.yaml:1: classes: class 'batch': factor" in err
+
+
+def test_namespace_without_a_class_is_refused(capsys, conf):
+    rc, _, err = explain(capsys, "--namespace", "default", config=conf)
+    assert rc == 2 and "go with --class" in err

@@ -64,6 +64,8 @@ def _class_choice(args: argparse.Namespace, node: decision.NodeFacts, policy: de
 
     base = ContainerSettings(None, node, policy, guard_action=args.guard_action, reclaim=args.reclaim == "true")
     if not args.cls:
+        if args.namespace is not None or args.config:
+            raise ValueError("--namespace and --config go with --class NAME")
         return None, base
     if not args.config:
         raise ValueError("--class needs --config FILE: the classes are the config file's (classes, namespace-classes)")
