@@ -110,10 +110,9 @@ class ReplaySettings:
 
 def shown(value: Any, name: str = "") -> str:
     """A setting's value as the summary says it: the header's JSON form, strings and numbers bare."""
-    from shim.app.config_classes import FILE_FORMS
-    from shim.app.decides import json_form
+    from shim.app.decides import header_form
 
-    value = FILE_FORMS.get(name, json_form)(value)
+    value = header_form(name, value)
     if value is None:
         return "none"
     return value if isinstance(value, str) else json.dumps(value)
