@@ -182,3 +182,20 @@ def test_build_image_refuses_a_runtime_before_building(tmp_path):
         got = subprocess.run(["bash", os.path.join(ROOT, "scripts", "build-image"), "--runtime", "crun",
                               "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
         assert got.returncode == 1 and "install and use runc" in got.stderr
+
+
+def test_build_image_without_apt_names_what_to_install(tmp_path):
+    """Where podman is missing and apt-get too, the script stops first, naming the Debian packages."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "realpath", "mkdir", "date", "tr", "sed", "ls", "id", "cat"):
+        found = shutil.which(tool)
+        assert found, tool
+        (bin_dir / tool).symlink_to(found)
+    got = subprocess.run(["bash", os.path.join(ROOT, "scripts", "build-image"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60,
+                         env={"PATH": str(bin_dir), "HOME": str(tmp_path)})
+    assert got.returncode == 1, got.stderr
+    assert "no apt-get: install podman buildah mmdebstrap uidmap" in got.stderr
+    runtime, path = choice()[:2]
+    assert (f" {runtime} (Debian" in got.stderr) == (path == "-")
