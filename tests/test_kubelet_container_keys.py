@@ -1,0 +1,145 @@
+"""Which container keys a gate-on kubelet writes, container by container, and NRI mode deciding
+as proxy mode does beside it.
+
+The recorded gate-on trace (a real kubelet v1.23, ``tests/data/traces``) is replayed through both
+front ends' decision paths: proxy mode's rewriter (``ContainerMemoryQoS.rewrite``, the kubelet's
+``unified`` in the request) and NRI mode's handler (``NriMemoryQoS.create_container``, the
+container as a containerd before 2.2 hands it to a plugin: without the kubelet's ``unified``).
+For each container the values its cgroup ends with are compared key by key: equal, or the
+documented exception -- the kubelet writes a value for that key of that container, which the
+plugin cannot see, and the plugin leaves it to the kubelet (its audit record says so). The
+same trace stands for other kubelet versions: the requests carry what such a kubelet sends
+(``kubelet_unified``), the NRI side sees none of it either way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from shim.container.nri_handler import NriMemoryQoS
+from shim.container.rewriter import ContainerMemoryQoS
+from shim.cri import pb as cri
+from shim.decision import NodeFacts, Policy
+from shim.decision.memory import NEUTRAL
+from shim.decision.qos import qos_class
+from shim.evidence.trace import read_trace
+from shim.nri import api_pb2 as pb
+from shim.node.facts import load_kubelet_config, node_facts
+from shim.node.kubelet import kubelet_writes, ownership
+from shim.tools.kubelet_requests import kubelet_unified
+from shim.transport.hooks import RpcCall
+from memqos_dev.testing.traces import MEMQOS_ON, TRACES_DIR, trace_file
+from tests.test_nri_confirm import nri_from_cri
+
+CAPACITY = 2060419072  # the recording VM's MemTotal (tests/data/traces/README.md)
+PAGE = 4096
+KEYS = ("memory.min", "memory.low", "memory.high")
+PROTECTION = ("memory.min", "memory.low")
+CREATE = "/runtime.v1.RuntimeService/CreateContainer"
+
+# (kubelet version, the recorded configuration changed how): the recorded kubelet itself; the
+# issue's 1.28 (memoryThrottlingFactor unset: 0.9) and with the recorded 0.8; 1.36 and 1.37
+CASES = [((1, 23), {}), ((1, 28), {"memory_throttling_factor": None}), ((1, 28), {}), ((1, 36), {}),
+         ((1, 37), {})]
+POLICIES = [Policy.HARD, Policy.SOFT, Policy.TIERED_RESERVATION, Policy.NONE]
+
+
+def _creates() -> list[cri.CreateContainerRequest]:
+    trace = read_trace(str(trace_file(MEMQOS_ON)))
+    return [cri.CreateContainerRequest.FromString(c.request) for c in trace.calls if c.name == "CreateContainer"]
+
+
+CREATES = _creates()
+
+
+def effective(unified) -> dict[str, str]:
+    """What the container's cgroup holds for the memory keys (a key nobody sets: its default)."""
+    return {k: unified.get(k, NEUTRAL[k]) for k in KEYS}
+
+
+def the_kubelets(req: cri.CreateContainerRequest, writes, node: NodeFacts) -> dict[str, str]:
+    """The ``unified`` map the kubelet described by ``writes`` sends for the recorded container:
+    the recorded one for the recorded kubelet, else ``kubelet_unified`` with the container's true
+    request (the recorded kubelet's memory.min) and limit."""
+    recorded = dict(req.config.linux.resources.unified)
+    if writes.version == (1, 23):
+        return recorded
+    qos, _ = qos_class(req.sandbox_config.linux.cgroup_parent, req.config.linux.resources.oom_score_adj)
+    return kubelet_unified(writes, qos.value, request=int(recorded.get("memory.min", 0)),
+                           limit=req.config.linux.resources.memory_limit_in_bytes, allocatable=node.allocatable,
+                           page_size=PAGE, oom_group=False)
+
+
+def compare(version, change: dict, policy: Policy) -> list[dict]:
+    """One row per recorded container: the values proxy mode and NRI mode leave it with, the
+    kubelet's own, and which keys differ (``exceptions``: differing keys the kubelet writes and
+    NRI leaves to it; ``wrong``: any other difference)."""
+    kubelet = replace(load_kubelet_config(str(TRACES_DIR / "kubelet-config-memqos-on.json")), **change)
+    writes = kubelet_writes(kubelet, version)
+    node = node_facts(CAPACITY, kubelet, page_size=PAGE)
+    proxy_records: list[dict] = []
+    nri_records: list[dict] = []
+    proxy = ContainerMemoryQoS(node, policy, proxy_records.append, ownership=ownership(writes, policy))
+    nri = NriMemoryQoS(node, policy, nri_records.append, ownership=ownership(writes, policy, nri=True))
+    rows = []
+    for i, recorded in enumerate(CREATES):
+        req = cri.CreateContainerRequest()
+        req.CopyFrom(recorded)
+        sent = the_kubelets(req, writes, node)
+        unified = req.config.linux.resources.unified
+        unified.clear()
+        unified.update(sent)
+        call = RpcCall(CREATE, time.time(), request=req.SerializeToString())
+        forwarded = cri.CreateContainerRequest.FromString(proxy.rewrite(call)).config.linux.resources.unified
+        pod, container = nri_from_cri(req, f"c{i}")
+        adjust = nri.create_container(pod, container) or pb.ContainerAdjustment()
+        # the runtime applies the kubelet's unified (from CRI), then the plugin's adjustment over it
+        applied = {**sent, **adjust.linux.resources.unified}
+        [record] = nri_records[-1:]
+        want, got, kubelets = effective(forwarded), effective(applied), effective(sent)
+        differ = [k for k in KEYS if want[k] != got[k]]
+        exceptions, wrong = [], []
+        for key in differ:
+            # the kubelet wrote this key (a protection key: memory.min / memory.low, one request)
+            wrote = any(kubelets[k] != NEUTRAL[k] for k in (PROTECTION if key in PROTECTION else (key,)))
+            left = key in record.get("kubelet_owns", ()) and key not in adjust.linux.resources.unified \
+                and "NRI" in record["reasons"][key]
+            (exceptions if wrote and left and got[key] == kubelets[key] else wrong).append(key)
+        rows.append({"container": f"{req.sandbox_config.metadata.name}/{req.config.metadata.name}",
+                     "proxy": want, "nri": got, "kubelet": kubelets, "exceptions": exceptions, "wrong": wrong,
+                     "reasons": {k: record["reasons"][k] for k in differ}})
+    return rows
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.value)
+@pytest.mark.parametrize("version, change", CASES, ids=[f"{v[0]}.{v[1]}{'-factor-unset' if c else ''}"
+                                                          for v, c in CASES])
+def test_nri_gives_each_recorded_container_what_proxy_mode_gives_it(version, change, policy):
+    rows = compare(version, change, policy)
+    assert len(rows) == 8
+    wrong = [(r["container"], r["wrong"], r["proxy"], r["nri"], r["kubelet"]) for r in rows if r["wrong"]]
+    assert not wrong
+
+
+def test_the_issues_besteffort_container_gets_proxy_modes_memory_high_in_nri_mode():
+    """kubelet 1.28, gate on, factor 0.9: no memory.high from the kubelet for a container whose
+    request equals its limit (BestEffort: both 0), so NRI mode sets the one proxy mode sets."""
+    [row] = [r for r in compare((1, 28), {"memory_throttling_factor": None}, Policy.HARD)
+             if r["container"].startswith("qos-besteffort")]
+    assert row["kubelet"]["memory.high"] == "max"
+    assert row["nri"]["memory.high"] == row["proxy"]["memory.high"] == str(int(1850703872 * 0.9) // PAGE * PAGE)
+
+
+def test_where_the_recorded_kubelet_writes_a_value_nri_mode_leaves_it_and_says_why():
+    """The recorded v1.23 kubelet writes memory.min for every container with a request and
+    memory.high (its v1.22 formula) for the BestEffort one too: those are the exceptions."""
+    rows = compare((1, 23), {}, Policy.HARD)
+    besteffort = next(r for r in rows if "besteffort" in r["container"])
+    assert besteffort["kubelet"]["memory.high"] == str(int(1850703872 * 0.8))
+    assert besteffort["exceptions"] == ["memory.high"] and besteffort["nri"]["memory.high"] == \
+        besteffort["kubelet"]["memory.high"]
+    guaranteed = next(r for r in rows if "guaranteed" in r["container"])
+    assert guaranteed["exceptions"] == ["memory.min", "memory.low"]
+    assert guaranteed["nri"]["memory.min"] == str(64 * 1024 * 1024)
