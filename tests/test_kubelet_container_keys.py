@@ -72,10 +72,11 @@ def the_kubelets(req: cri.CreateContainerRequest, writes, node: NodeFacts) -> di
                            page_size=PAGE, oom_group=False)
 
 
-def compare(version, change: dict, policy: Policy) -> list[dict]:
+def compare(version, change: dict, policy: Policy, *, shown: bool = False) -> list[dict]:
     """One row per recorded container: the values proxy mode and NRI mode leave it with, the
     kubelet's own, and which keys differ (``exceptions``: differing keys the kubelet writes and
-    NRI leaves to it; ``wrong``: any other difference)."""
+    NRI leaves to it; ``wrong``: any other difference). ``shown``: the runtime shows the plugin
+    the kubelet's unified (containerd 2.2 and later)."""
     kubelet = replace(load_kubelet_config(str(TRACES_DIR / "kubelet-config-memqos-on.json")), **change)
     writes = kubelet_writes(kubelet, version)
     node = node_facts(CAPACITY, kubelet, page_size=PAGE)
@@ -94,6 +95,8 @@ def compare(version, change: dict, policy: Policy) -> list[dict]:
         call = RpcCall(CREATE, time.time(), request=req.SerializeToString())
         forwarded = cri.CreateContainerRequest.FromString(proxy.rewrite(call)).config.linux.resources.unified
         pod, container = nri_from_cri(req, f"c{i}")
+        if shown:
+            container.linux.resources.unified.update(sent)
         adjust = nri.create_container(pod, container) or pb.ContainerAdjustment()
         # the runtime applies the kubelet's unified (from CRI), then the plugin's adjustment over it
         applied = {**sent, **adjust.linux.resources.unified}
@@ -143,3 +146,92 @@ def test_where_the_recorded_kubelet_writes_a_value_nri_mode_leaves_it_and_says_w
     guaranteed = next(r for r in rows if "guaranteed" in r["container"])
     assert guaranteed["exceptions"] == ["memory.min", "memory.low"]
     assert guaranteed["nri"]["memory.min"] == str(64 * 1024 * 1024)
+
+
+@pytest.mark.parametrize("version, change", CASES, ids=[f"{v[0]}.{v[1]}{'-factor-unset' if c else ''}"
+                                                          for v, c in CASES])
+def test_where_the_plugin_sees_the_kubelets_values_nri_mode_decides_exactly_as_proxy_mode(version, change):
+    """containerd 2.2 and later hand plugins the kubelet's unified: nothing is hidden, no exception."""
+    for policy in POLICIES:
+        rows = compare(version, change, policy, shown=True)
+        assert [(r["container"], r["proxy"], r["nri"]) for r in rows if r["proxy"] != r["nri"]] == []
+
+
+# -- the rule itself (shim.decision.kubelet) -----------------------------------------------------
+
+GI, MI_ = 1 << 30, 1 << 20
+GRID = [("guaranteed", GI, GI), ("burstable", GI // 4, GI), ("burstable", GI // 4, 0), ("burstable", GI, GI),
+        ("burstable", 0, 0), ("burstable", 1000 * MI_, 1001 * MI_), ("besteffort", 0, 0)]
+CONFIGS = [dict(memory_qos_gate=True), dict(memory_qos_gate=True, memory_throttling_factor=0.8),
+           dict(memory_qos_gate=True, memory_reservation_policy="TieredReservation"),
+           dict(memory_qos_gate=True, memory_reservation_policy="TieredReservation", memory_throttling_factor=0.7),
+           dict(memory_qos_gate=False, memory_throttling_factor=0.8)]
+
+
+@pytest.mark.parametrize("version", [(1, 22), (1, 23), (1, 26), (1, 27), (1, 28), (1, 35), (1, 36), (1, 37)],
+                         ids=lambda v: f"{v[0]}.{v[1]}")
+def test_the_rule_agrees_with_the_kubelet_model_of_the_tests(version):
+    """``shim.decision.kubelet`` (what both front ends use) against ``kubelet_unified`` (the
+    kubelet model the tests and the demo send, written separately), every kind of container."""
+    from shim.decision import QoSClass
+    from shim.decision.kubelet import kubelet_values
+    from shim.node.facts import KubeletFacts
+
+    for config in CONFIGS:
+        if "memory_reservation_policy" in config and version < (1, 36):
+            continue
+        writes = kubelet_writes(KubeletFacts(**config), version)
+        [formula] = writes.high_formulas
+        for qos, request, limit in GRID:
+            model = kubelet_unified(writes, qos, request=request, limit=limit, allocatable=16 * GI, page_size=PAGE)
+            want = {k: v for k, v in model.items() if k in KEYS and v != NEUTRAL[k]}
+            got = kubelet_values(writes.rule(), formula, QoSClass[qos.upper()], request, limit, 16 * GI, PAGE)
+            assert got == want, (config, qos, request, limit)
+
+
+def _keys(version, qos, request, *, limit=0, config=None, nri=True, sent=None):
+    from shim.node.facts import KubeletFacts
+
+    writes = kubelet_writes(KubeletFacts(**(config or {"memory_qos_gate": True})), version)
+    return dict(ownership(writes, Policy.HARD, nri=nri).container_keys()
+                .for_container(qos, request, limit, 16 << 30, PAGE, sent or {}))
+
+
+def test_per_container_keys_in_nri_mode_and_the_same_keys_everywhere_in_proxy_mode():
+    from shim.decision import QoSClass, Request, RequestSource
+
+    given = Request(256 * MI_, RequestSource.GIVEN)
+    none = Request(0, RequestSource.NONE)
+    # 1.28: BestEffort and request = limit get no memory.high from the kubelet
+    assert set(_keys((1, 28), QoSClass.BESTEFFORT, none)) == set()
+    assert set(_keys((1, 28), QoSClass.GUARANTEED, Request(GI, RequestSource.GUARANTEED_LIMIT), limit=GI)) == \
+        {"memory.min", "memory.low"}
+    assert set(_keys((1, 28), QoSClass.BURSTABLE, given, limit=GI)) == {"memory.min", "memory.low", "memory.high"}
+    # 1.23 (v1.22 formula): BestEffort gets one; a version not known takes either formula
+    assert set(_keys((1, 23), QoSClass.BESTEFFORT, none)) == {"memory.high"}
+    assert set(_keys(None, QoSClass.BESTEFFORT, none)) == {"memory.high"}
+    # the kubelet's values shown to the plugin: nothing is hidden
+    assert _keys((1, 28), QoSClass.BURSTABLE, given, limit=GI, sent={"memory.min": str(256 * MI_)}) == {}
+    # proxy mode: the keys of every container (none before v1.36; v1.36 with a factor: memory.high)
+    for qos in QoSClass:
+        assert _keys((1, 28), qos, given, limit=GI, nri=False) == {}
+        assert set(_keys((1, 36), qos, given, limit=GI, nri=False)) == {"memory.high"}
+        assert set(_keys((1, 36), qos, given, limit=GI)) == {"memory.high"}
+
+
+def test_a_request_known_only_as_a_range_counts_as_written_where_any_value_in_it_would_be():
+    """In NRI mode the request comes from oom_score_adj (a range) or an annotation (the tenant's
+    word): a key the kubelet writes for some request the container can have stays the kubelet's."""
+    from shim.decision import QoSClass, Request, RequestSource
+
+    # 1.28: the limit inside the oom_score_adj range: request = limit (no memory.high) or not (one)
+    straddles = Request(GI - MI_, RequestSource.OOM_SCORE_ADJ, upper=GI + MI_)
+    assert "memory.high" in _keys((1, 28), QoSClass.BURSTABLE, straddles, limit=GI)
+    below = Request(GI // 4, RequestSource.OOM_SCORE_ADJ, upper=GI // 4 + MI_)
+    assert "memory.high" in _keys((1, 28), QoSClass.BURSTABLE, below, limit=GI)
+    # an annotation says 1Gi = the limit: still taken as possibly anything
+    claimed = Request(GI, RequestSource.ANNOTATION)
+    assert set(_keys((1, 28), QoSClass.BURSTABLE, claimed, limit=GI)) == {"memory.min", "memory.low", "memory.high"}
+    # the kubelet's own request, exact: request = limit, no memory.high
+    exact = Request(GI, RequestSource.GIVEN)
+    assert set(_keys((1, 28), QoSClass.BURSTABLE, exact, limit=GI)) == {"memory.min", "memory.low"}

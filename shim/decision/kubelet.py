@@ -106,10 +106,11 @@ def request_range(qos: QoSClass, request: Request, limit: int) -> tuple[int, int
 
 
 def kubelet_writes_keys(rule: KubeletRule, qos: QoSClass, request: Request, limit: int, allocatable: int,
-                        page_size: int) -> dict[str, str]:
+                        page_size: int, *, together: bool = True) -> dict[str, str]:
     """The container keys the kubelet of ``rule`` may write a value into for this container
     (key -> why): a key it writes for some request the container can have, by some formula the
-    kubelet can use. memory.min and memory.low come together: both carry the one request."""
+    kubelet can use. ``together``: memory.min and memory.low count as one (both carry the one
+    request: where the kubelet protects the container with either, the other is its too)."""
     if not rule.gate:
         return {}
     low, high = request_range(qos, request, limit)
@@ -133,7 +134,7 @@ def kubelet_writes_keys(rule: KubeletRule, qos: QoSClass, request: Request, limi
         else:
             out[key] = f"kubelet {rule.version} writes {key} = the request for this {qos.value} container ({req})"
     protection = next((out[k] for k in PROTECTION_KEYS if k in out), None)
-    if protection is not None:
+    if together and protection is not None:
         for key in PROTECTION_KEYS:
             out.setdefault(key, f"{protection}; memory.min and memory.low carry that one request")
     return out

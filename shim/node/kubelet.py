@@ -36,8 +36,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from shim.decision import Policy
-from shim.decision.kubelet import REQUEST, V122, V127, V137, KubeletKeys, KubeletRule
+from shim.decision import Policy, QoSClass, Request, RequestSource
+from shim.decision.kubelet import REQUEST, V122, V127, V137, KubeletKeys, KubeletRule, kubelet_writes_keys
 
 # The kubelet's own memoryReservationPolicy values (v1.36: None, TieredReservation; v1.38
 # proposal: Hard, Soft). The same names as the shim's policies.
@@ -246,6 +246,27 @@ def kubelet_writes(kubelet, version: tuple[int, int] | None) -> KubeletWrites:
                          formula=formula, assumptions=tuple(assumptions))
 
 
+_GI = 1 << 30
+# one container of each kind (label, QoS class, request, limit): the cases the kubelet tells apart
+KINDS = (("Guaranteed", QoSClass.GUARANTEED, _GI, _GI),
+         ("Burstable request < limit", QoSClass.BURSTABLE, _GI // 4, _GI),
+         ("Burstable without a limit", QoSClass.BURSTABLE, _GI // 4, 0),
+         ("Burstable request = limit", QoSClass.BURSTABLE, _GI, _GI),
+         ("BestEffort", QoSClass.BESTEFFORT, 0, 0))
+
+
+def keys_by_kind(writes: KubeletWrites, allocatable: int = 64 * _GI, page_size: int = 4096) -> str:
+    """Which container keys this kubelet writes a value into, for each kind of container
+    (``KINDS``), as ``shim.decision.kubelet`` decides it for every container: one line."""
+    rule = writes.rule()
+    parts = []
+    for label, qos, request, limit in KINDS:
+        keys = kubelet_writes_keys(rule, qos, Request(request, RequestSource.GIVEN), limit, allocatable, page_size,
+                                   together=False)
+        parts.append(f"{label}: {', '.join(sorted(keys)) or 'none'}")
+    return "; ".join(parts)
+
+
 # -- who owns what ----------------------------------------------------------------------------
 CONTAINER_PROTECTION = "container memory.min/memory.low"
 CONTAINER_HIGH = "container memory.high"
@@ -298,6 +319,16 @@ class Ownership:
         if self.owners[CONTAINER_HIGH] == KUBELET:
             out["memory.high"] = self.reasons[CONTAINER_HIGH]
         return out
+
+    def owned_by_kind(self, allocatable: int = 64 * _GI, page_size: int = 4096) -> str:
+        """The container keys the kubelet owns in each kind of container (``KINDS``), as the
+        decision resolves them for a container (``container_keys``): one line."""
+        keys = self.container_keys()
+        parts = []
+        for label, qos, request, limit in KINDS:
+            owned = keys.for_container(qos, Request(request, RequestSource.GIVEN), limit, allocatable, page_size, {})
+            parts.append(f"{label}: {', '.join(sorted(owned)) or 'none'}")
+        return "; ".join(parts)
 
     def kubelet_scopes(self) -> frozenset[str]:
         """Reconciler scopes (pod, qos, kubepods, reserved) the shim leaves to the kubelet."""
