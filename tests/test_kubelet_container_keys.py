@@ -235,3 +235,55 @@ def test_a_request_known_only_as_a_range_counts_as_written_where_any_value_in_it
     # the kubelet's own request, exact: request = limit, no memory.high
     exact = Request(GI, RequestSource.GIVEN)
     assert set(_keys((1, 28), QoSClass.BURSTABLE, exact, limit=GI)) == {"memory.min", "memory.low"}
+
+
+DOC_ROWS = {  # the table's rows -> (kubelet versions, KubeletConfiguration)
+    "1.22–1.26": ([(1, 22), (1, 26)], {"memory_qos_gate": True}),
+    "1.27–1.35": ([(1, 27), (1, 35)], {"memory_qos_gate": True}),
+    "1.36, defaults (policy `None`, factor 0.9)": ([(1, 36)], {"memory_qos_gate": True}),
+    "1.36, `TieredReservation`": ([(1, 36)], {"memory_qos_gate": True,
+                                              "memory_reservation_policy": "TieredReservation"}),
+    "1.37, defaults": ([(1, 37)], {}),
+    "1.37, `memoryThrottlingFactor: 0.9`": ([(1, 37)], {"memory_throttling_factor": 0.9}),
+    "1.37, `TieredReservation`": ([(1, 37)], {"memory_reservation_policy": "TieredReservation"}),
+}
+
+
+def test_the_docs_table_of_the_keys_each_kubelet_writes_is_the_rules():
+    from pathlib import Path
+
+    from shim.decision import Request, RequestSource
+    from shim.decision.kubelet import kubelet_writes_keys
+    from shim.node.facts import KubeletFacts
+    from shim.node.kubelet import KINDS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "memory-qos.md").read_text(encoding="utf-8")
+    section = text.split("### Which keys the kubelet writes, container by container", 1)[1].split("\n### ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| kubelet")]
+    assert [r[0] for r in rows] == list(DOC_ROWS)
+    for label, *cells in rows:
+        versions, config = DOC_ROWS[label]
+        for version in versions:
+            rule = kubelet_writes(KubeletFacts(**config), version).rule()
+            got = [", ".join(sorted(kubelet_writes_keys(rule, qos, Request(request, RequestSource.GIVEN), limit,
+                                                        16 * GI, PAGE, together=False))) or "none"
+                   for _, qos, request, limit in KINDS]
+            assert got == cells, (label, version)
+
+
+@pytest.mark.parametrize("version, args, keys", [
+    ("1.23", [], ["memory.high"]),  # BestEffort: the v1.22 formula writes one
+    ("1.28", [], []),  # BestEffort: request = limit (both 0), none
+    ("1.28", ["--request", "32Mi", "--limit", "128Mi"], ["memory.high", "memory.min"]),
+    ("1.28", ["--request", "96Mi", "--limit", "96Mi", "--qos", "burstable"], ["memory.min"]),
+    ("1.37", [], []),  # its defaults: no factor, no policy
+])
+def test_explain_says_which_keys_a_kubelet_writes_for_the_container(version, args, keys):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "shim", "explain", "--allocatable", "1765Mi", "--page-size", "4096",
+                          "--kubelet", version, "--json", *args], capture_output=True, text=True, check=True)
+    assert sorted(json.loads(out.stdout)["kubelet_writes"]) == keys
