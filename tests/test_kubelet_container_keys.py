@@ -287,3 +287,16 @@ def test_explain_says_which_keys_a_kubelet_writes_for_the_container(version, arg
     out = subprocess.run([sys.executable, "-m", "shim", "explain", "--allocatable", "1765Mi", "--page-size", "4096",
                           "--kubelet", version, "--json", *args], capture_output=True, text=True, check=True)
     assert sorted(json.loads(out.stdout)["kubelet_writes"]) == keys
+
+
+def test_a_range_that_reaches_the_limit_only_at_the_limit_is_the_limit():
+    """An oom_score_adj estimate whose low end is the limit: the request is the limit (never
+    above it), so a 1.27+ kubelet writes no memory.high for it."""
+    from shim.decision import QoSClass, Request, RequestSource
+    from shim.decision.kubelet import request_range
+
+    at_limit = Request(GI, RequestSource.OOM_SCORE_ADJ, upper=GI + 20 * MI_)
+    assert request_range(QoSClass.BURSTABLE, at_limit, GI) == (GI, GI + 1)
+    assert set(_keys((1, 28), QoSClass.BURSTABLE, at_limit, limit=GI)) == {"memory.min", "memory.low"}
+    assert request_range(QoSClass.BURSTABLE, Request(0, RequestSource.NONE), GI) == (0, GI + 1)
+    assert request_range(QoSClass.BURSTABLE, Request(0, RequestSource.NONE), 0) == (0, None)

@@ -91,18 +91,20 @@ def kubelet_values(rule: KubeletRule, formula: str, qos: QoSClass, request: int,
 
 def request_range(qos: QoSClass, request: Request, limit: int) -> tuple[int, int | None]:
     """(low, high): what the kubelet's request for the container can be, low <= request < high
-    (high None: unbounded). Exact for BestEffort (0), Guaranteed (the limit) and a request the
-    kubelet sent or the caller states; the oom_score_adj range for its estimate; anything else
-    (an annotation is the tenant's word, not the kubelet's) is not known."""
+    (high None: unbounded), never above the limit. Exact for BestEffort (0), Guaranteed (the
+    limit) and a request the kubelet sent or the caller states; the oom_score_adj range for its
+    estimate; anything else (an annotation is the tenant's word, not the kubelet's) is not
+    known."""
     if qos is QoSClass.BESTEFFORT:
         return 0, 1
     if qos is QoSClass.GUARANTEED and limit > 0:
         return limit, limit + 1
     if request.source in EXACT:
         return request.bytes, request.bytes + 1
-    if request.source is RequestSource.OOM_SCORE_ADJ:
-        return max(0, request.bytes), request.upper
-    return 0, None
+    low, high = (max(0, request.bytes), request.upper) if request.source is RequestSource.OOM_SCORE_ADJ else (0, None)
+    if limit > 0:  # a request is never above the limit (the API server refuses such a container)
+        low, high = min(low, limit), limit + 1 if high is None else min(high, limit + 1)
+    return low, high
 
 
 def kubelet_writes_keys(rule: KubeletRule, qos: QoSClass, request: Request, limit: int, allocatable: int,
