@@ -26,7 +26,9 @@ the v1.36 and v1.37 Memory QoS blog posts):
   (memory.low for all) join the enum.
 
 Where a behaviour is not recorded upstream and the model assumes it, the text says "assumed,
-not recorded".
+not recorded". Which keys the kubelet writes for one container (its QoS class, request and
+limit) is ``shim.decision.kubelet``'s rule: ``KubeletWrites.rule`` hands it this kubelet, and
+``Ownership.container_keys`` the keys both front ends' decision resolves per container.
 """
 from __future__ import annotations
 
