@@ -166,6 +166,7 @@ class NriMemoryQoS(Handler):
             return None, unified, annotations, (facts, kubelet)
         owns = qos.kubelet_keys
         decision = decide(facts, kubelet, qos.node, qos.policy, kubelet_owns=owns)
+        owns = decision.kubelet_owns  # this container's
         keys = adjustment_keys(decision, owns)
         kept = keep_in_force(keys, in_force) if in_force else {}
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
@@ -230,6 +231,7 @@ class NriMemoryQoS(Handler):
         owns = qos.kubelet_keys
         decision = decide(nf.pod_facts(pod, container), facts, qos.node, qos.policy, override, reset_absent=True,
                           kubelet_owns=owns)
+        owns = decision.kubelet_owns  # this container's
         keys = adjustment_keys(decision, owns)
         if known is not None and not observe:
             # what the cgroup is to hold once the runtime applied it

@@ -89,6 +89,15 @@ def observed(audit: Any) -> Any:
     return audit
 
 
+def container_keys(ownership) -> Mapping[str, str]:
+    """The container keys the kubelet owns, as ``decide`` takes them: ``Ownership.container_keys``
+    (resolved per container), or the keys of an ownership that only names them."""
+    if ownership is None:
+        return MappingProxyType({})
+    keys = getattr(ownership, "container_keys", None)
+    return keys() if keys is not None else MappingProxyType(ownership.kubelet_keys())
+
+
 def _apply(resources: Any, decision: Decision) -> None:
     unified = resources.unified
     unified.clear()
@@ -127,8 +136,9 @@ class ContainerMemoryQoS:
         self.rollout = rollout if rollout is not None else Rollout()
         # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
         self.ownership = ownership
-        # read once per call on the CRI path; replaced whole (never mutated) by set_ownership
-        self.kubelet_keys = MappingProxyType(ownership.kubelet_keys() if ownership is not None else {})
+        # read once per call on the CRI path; replaced whole (never mutated) by set_ownership;
+        # the decision resolves it for each container (shim.decision.kubelet.KubeletKeys)
+        self.kubelet_keys = container_keys(ownership)
         self._emit = emit
         self.enabled = enabled
         self.disabled_reason = disabled_reason
@@ -146,7 +156,7 @@ class ContainerMemoryQoS:
         """Use a new Ownership from the next call on (any thread: the CRI path reads
         ``kubelet_keys`` once per call, and it is replaced in one assignment)."""
         self.ownership = ownership
-        self.kubelet_keys = MappingProxyType(ownership.kubelet_keys())
+        self.kubelet_keys = container_keys(ownership)
 
     # -- CallHooks ---------------------------------------------------------------
     def rewrite(self, call: RpcCall) -> bytes:
@@ -264,7 +274,7 @@ class ContainerMemoryQoS:
         known = self.containers.get(cid)
         if known is None:
             return
-        values = kernel_values(note.decision, self.kubelet_keys)
+        values = kernel_values(note.decision)
         self.containers[cid] = known._replace(unified=MappingProxyType(values),
                                               limit=max(0, note.parsed.linux.memory_limit_in_bytes))
 
@@ -294,6 +304,7 @@ class ContainerMemoryQoS:
         resources = config.linux.resources
         owns = self.kubelet_keys
         decision = decide(pod, container_facts(name, resources), self.node, self.policy, kubelet_owns=owns)
+        owns = decision.kubelet_owns  # this container's
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request,
                               MappingProxyType(kernel_values(decision, owns)), max(0, decision.limit))
         lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns)
@@ -361,6 +372,7 @@ class ContainerMemoryQoS:
         owns = self.kubelet_keys
         decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True,
                           kubelet_owns=owns)
+        owns = decision.kubelet_owns  # this container's
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
         record = partial(self._decision_record, dict, (base,), decision, owns, **extra)
         out = request
