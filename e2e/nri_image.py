@@ -25,7 +25,7 @@ import yaml
 
 from guest_common import CONTAINERD_SOCK, InfraError, RUN  # noqa: E402
 from guest_stack import load_stack  # noqa: E402
-from nri_scenario import Plugin
+from nri_plugin import Plugin
 
 NS = "memqos-e2e"
 CID = "memqos-shim-nri"
