@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shim.app.cli import build_parser
+from shim.cli.main import build_parser
 
 CLASSES = """
 classes:

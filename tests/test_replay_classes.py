@@ -9,7 +9,7 @@ import json
 import yaml
 
 from memqos_dev.testing.fake_runtime import FakeRuntimeServer
-from shim.app.cli import main
+from shim.cli.main import main
 from shim.cri import pb
 from shim.evidence.trace import read_trace
 from shim.tools.kubelet_requests import sandbox_config
