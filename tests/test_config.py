@@ -54,12 +54,14 @@ def test_one_field_per_option_with_the_tables_default_and_type():
 
 
 def test_the_table_types_are_what_the_parsers_return():
-    kinds = {"str": str, "int": int, "float": float, "bool": bool, "Policy": Policy, "None": type(None)}
+    kinds = {"str": str, "int": int, "float": float, "bool": bool, "Policy": Policy, "None": type(None),
+             "tuple": tuple}
     samples = {"factor": ["0.5", "auto", "none"], "node-allocatable": ["1Gi"], "policy": ["soft"],
                "kubelet-config": ["/k.yaml", "none"], "socket-mode": ["0600"], "reclaim": ["true"],
-               "record-methods": ["all", "default"], "metrics-address": ["9808", "none"]}
+               "record-methods": ["all", "default"], "metrics-address": ["9808", "none"],
+               "classes": [{"batch": {"factor": 0.5}}], "namespace-classes": [{"default": ["batch"]}]}
     for o in OPTIONS:
-        allowed = tuple(kinds[t.strip()] for t in o.type.split("|"))
+        allowed = tuple(kinds[t.strip().split("[")[0]] for t in o.type.split(" | "))
         if o.default is not None:
             assert isinstance(o.default, allowed), o.name
         for raw in samples.get(o.name, []):

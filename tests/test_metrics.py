@@ -152,10 +152,11 @@ def test_metrics_show_every_series_with_the_fake_cgroupfs_values(tmp_path):
     assert value(ss, "memqos_cri_call_duration_seconds_sum", method="CreateContainer") == pytest.approx(0.007)
     assert value(ss, "memqos_cri_call_duration_seconds_bucket", method="CreateContainer", le="0.0025") == 2
     assert value(ss, "memqos_cri_rewrite_duration_seconds_count", method="CreateContainer") == 1
-    assert value(ss, "memqos_rewrites_total", method="CreateContainer", qos="Burstable", request_source="annotation") == 2
+    assert value(ss, "memqos_rewrites_total", method="CreateContainer", qos="Burstable", request_source="annotation",
+                 **{"class": ""}) == 2
     assert value(ss, "memqos_rewrites_total", method="UpdateContainerResources", qos="BestEffort",
-                 request_source="none") == 1
-    assert value(ss, "memqos_unchanged_total", method="CreateContainer") == 1
+                 request_source="none", **{"class": ""}) == 1
+    assert value(ss, "memqos_unchanged_total", method="CreateContainer", **{"class": ""}) == 1
     assert value(ss, "memqos_fail_open_total", method="CreateContainer") == 1
     assert value(ss, "memqos_cgroup_writes_total", level="pod", file="memory.min") == 1
     assert value(ss, "memqos_cgroup_writes_total", level="node", file="memory.min") == 1
@@ -406,7 +407,7 @@ def test_serve_metrics_endpoint_end_to_end(tmp_path):
             assert value(ss, "memqos_cri_call_duration_seconds_count", method="CreateContainer") == 1
             assert value(ss, "memqos_cri_rewrite_duration_seconds_count", method="CreateContainer") == 1
             assert value(ss, "memqos_rewrites_total", method="CreateContainer", qos="Burstable",
-                         request_source="annotation") == 1
+                         request_source="annotation", **{"class": ""}) == 1
             assert value(ss, "memqos_guard_actions_total", action="relax") == 1
             assert value(ss, "memqos_cgroup_writes_total", level="container", file="memory.high") == 1
             # the reconciler wrote the pod's memory.min (64Mi) through the same audit stream
@@ -457,3 +458,32 @@ def test_relaxed_container_stays_watched_when_a_source_forgets_it(tmp_path):
     clock.t += 5
     monitor.tick()  # episode over and no source lists it: no longer watched
     assert monitor.snapshot().readings == []
+
+
+def test_decisions_are_counted_by_class_with_only_the_configured_names():
+    """The class label takes the configured class names and "": an audit record naming another
+    class (an annotation's value never reaches the record unchecked, but a bug could) counts
+    under "", so no pod can add a series."""
+    m = Metrics().set_classes(["batch", "latency-critical"])
+    for cls in ("batch", "batch", None, "latency-critical", "made-up", 7):
+        m.on_audit({"event": "rewrite", "method": "CreateContainer", "qos": "Burstable",
+                    "request_source": "kubelet-unified", "class": cls})
+    m.on_audit({"event": "unchanged", "method": "UpdateContainerResources", "class": "batch"})
+    ss = samples(m.render().decode())
+    rw = {k[1]: v for k, v in ss.items() if k[0] == "memqos_rewrites_total"}
+    by_class = {dict(labels)["class"]: v for labels, v in rw.items()}
+    assert by_class == {"batch": 2, "latency-critical": 1, "": 3}
+    assert value(ss, "memqos_unchanged_total", method="UpdateContainerResources", **{"class": "batch"}) == 1
+
+
+def test_build_metrics_takes_the_class_names_from_the_config(tmp_path):
+    import argparse
+
+    from shim.app.config import OPTIONS, resolve
+    from shim.evidence.metrics import build_metrics
+
+    f = tmp_path / "config.yaml"
+    f.write_text("metrics-address: 127.0.0.1:0\nclasses: {batch: {factor: 0.5}}\n"
+                 "namespace-classes: {'*': [batch]}\n")
+    ns = argparse.Namespace(config=str(f), **{o.name.replace("-", "_"): None for o in OPTIONS})
+    assert build_metrics(resolve(ns)).class_names == {"batch"}

@@ -598,7 +598,7 @@ def test_metrics_and_the_monitor_run_in_nri_mode(tmp_path):
                 host, port = service.metrics.address
                 text = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode())
-                assert 'memqos_rewrites_total{method="CreateContainer",qos="Guaranteed"' in text
+                assert 'memqos_rewrites_total{class="",method="CreateContainer",qos="Guaranteed"' in text
                 assert service.monitor.running
         finally:
             await service.stop()

@@ -35,6 +35,8 @@ OFF_DEFAULT = {
     "protection-headroom-ratio": 0.25,
     "protection-headroom-min": "32Mi",
     "correct-kubelet-min": True,
+    "classes": {"latency-critical": {"factor": "none"}, "batch": {"factor": 0.5, "reclaim": True}},
+    "namespace-classes": {"*": ["latency-critical"], "default": ["batch"]},
     "page-size": 65536,
 }
 # a kubelet that owns memory.min (v1.36+ with the gate on and a memoryReservationPolicy): the one
@@ -46,6 +48,11 @@ RUNS = {name: ({name: value}, None, "defaults") for name, value in OFF_DEFAULT.i
 RUNS["correct-kubelet-min"] = ({"correct-kubelet-min": True}, None, None)
 RUNS["correct-kubelet-min, kubelet owns memory.min"] = (
     {"kubelet-version": "1.37", "correct-kubelet-min": True}, OWNS_MIN, "kubelet 1.37 owns memory.min")
+# the recorded kubelet's pods ask for no class: classes change nothing in this traffic, but they
+# must still reach the header and replay from it (namespace-classes needs the classes it names)
+RUNS["classes"] = ({"classes": OFF_DEFAULT["classes"]}, None, None)
+RUNS["namespace-classes"] = ({"classes": OFF_DEFAULT["classes"],
+                              "namespace-classes": OFF_DEFAULT["namespace-classes"]}, None, None)
 RUNS["all"] = (dict(OFF_DEFAULT), OWNS_MIN, "defaults")
 BASELINES = {"defaults": ({}, None), "kubelet 1.37 owns memory.min": ({"kubelet-version": "1.37"}, OWNS_MIN)}
 
@@ -148,7 +155,10 @@ def test_a_recording_with_settings_off_their_defaults_replays_to_its_audit_recor
     assert list(recorded) == [o.name for o in DECIDING]
     for name, value in settings.items():
         option = next(o for o in DECIDING if o.name == name)
-        assert recorded[name] == json_form(option.parse(value)), name
+        # the header's form parses back to the same value (the classes keep the file's own form)
+        assert option.parse(recorded[name]) == option.parse(value), name
+        if name not in ("classes", "namespace-classes"):
+            assert recorded[name] == json_form(option.parse(value)), name
 
     assert main(["replay", rec, "--json", "--expect", audit]) == 0
     out, err = capsys.readouterr()
@@ -203,9 +213,9 @@ def test_an_older_recording_replays_as_before_with_a_note_naming_the_defaults_ta
     _, err = capsys.readouterr()
     note = next(line for line in err.splitlines() if "does not carry" in line)
     assert note.endswith("note: the trace header does not carry mode, kubelet-version, protection-headroom-ratio, "
-                         "protection-headroom-min, correct-kubelet-min; replayed with mode enforce, kubelet-version "
-                         "unknown, protection-headroom-ratio 0.1, protection-headroom-min 8388608, "
-                         "correct-kubelet-min false")
+                         "protection-headroom-min, correct-kubelet-min, classes, namespace-classes; replayed with mode "
+                         "enforce, kubelet-version unknown, protection-headroom-ratio 0.1, protection-headroom-min "
+                         "8388608, correct-kubelet-min false, classes none, namespace-classes none")
     assert "policy Soft (trace header)" in _summary(err) and "factor 0.5 (trace header)" in _summary(err)
 
 
@@ -219,8 +229,9 @@ def test_a_kubelet_trace_replays_to_its_golden_file_with_a_note_naming_the_defau
     assert [json.loads(line) for line in out.splitlines()] == [json.loads(line) for line in
                                                                golden.read_text().splitlines()]
     assert ("note: the trace header does not carry mode, policy, protection-headroom-ratio, "
-            "protection-headroom-min, correct-kubelet-min; replayed with mode enforce, policy Hard, "
-            "protection-headroom-ratio 0.1, protection-headroom-min 8388608, correct-kubelet-min false") in err
+            "protection-headroom-min, correct-kubelet-min, classes, namespace-classes; replayed with mode enforce, "
+            "policy Hard, protection-headroom-ratio 0.1, protection-headroom-min 8388608, correct-kubelet-min false, "
+            "classes none, namespace-classes none") in err
     summary = _summary(err)
     assert "kubelet-version 1.23 (trace header)" in summary and "factor 0.8 (kubelet memoryThrottlingFactor)" \
         in summary and "node-allocatable 1850703872 (capacity - kubeReserved - systemReserved)" in summary

@@ -264,6 +264,7 @@ _TYPES = {
     "number or null": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
     "boolean": lambda v: isinstance(v, bool),
     "object": lambda v: isinstance(v, dict),
+    "object or null": lambda v: v is None or isinstance(v, dict),
     "base64 string": lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9+/]*={0,2}", v) is not None,
     "list of base64 strings": lambda v: isinstance(v, list) and all(
         isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9+/]*={0,2}", x) for x in v),

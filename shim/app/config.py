@@ -27,32 +27,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
+from shim.app.config_classes import checked, parse_classes, parse_namespace_classes
 from shim.app.config_file import ConfigError, FileValue, read_settings_file
+from shim.app.config_parsers import frame_size as _frame_size, nri_index as _nri_index, nri_socket as _nri_socket
+from shim.app.config_parsers import octal_mode as _octal_mode
+from shim.app.config_parsers import boolean as _bool, factor as _factor, guard_action as _guard_action, \
+    headroom_ratio as _headroom_ratio, policy as _policy, quantity as _quantity
 from shim.app.settings import FIELDS, Config
 from shim.decision import Policy
-from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_bytes, parse_page_size
+from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_page_size
 from shim.effects.rollout import MODES
-
-
-def _factor(v: Any) -> float | None | str:
-    if v is None or (isinstance(v, str) and v.strip().lower() == "none"):
-        return None
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"must be a number in (0, 1], 'auto' or 'none', not {v!r}")
-    if not 0 < f <= 1:
-        raise ConfigError(f"must be in (0, 1], not {f}")
-    return f
-
-
-def _quantity(v: Any) -> int:
-    try:
-        return parse_bytes(v if isinstance(v, (str, int)) else str(v))
-    except QuantityError as e:
-        raise ConfigError(str(e))
 
 
 def _positive_int(v: Any) -> int:
@@ -98,17 +82,6 @@ def _regex(v: Any) -> str | None:
     return text
 
 
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    t = str(v).strip().lower()
-    if t in ("true", "yes", "on", "1"):
-        return True
-    if t in ("false", "no", "off", "0"):
-        return False
-    raise ConfigError(f"expected true or false, not {v!r}")
-
-
 def _metrics_address(v: Any) -> str | None:
     """'HOST:PORT', '[v6]:PORT' or a bare PORT (127.0.0.1); 'none' or empty: off."""
     if v is None or str(v).strip().lower() in ("", "none", "off"):
@@ -134,16 +107,6 @@ def _non_negative_float(v: Any) -> float:
     return n
 
 
-def _headroom_ratio(v: Any) -> float:
-    try:
-        n = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"not a number: {v!r}")
-    if not 0 <= n < 1:
-        raise ConfigError(f"must be in [0, 1): {v!r}")
-    return n
-
-
 def _percent(v: Any) -> float:
     text = str(v).strip().rstrip("%")
     try:
@@ -159,13 +122,6 @@ def _mode(v: Any) -> str:
     t = str(v).strip().lower()
     if t not in MODES:
         raise ConfigError(f"mode must be one of {list(MODES)}, not {v!r}")
-    return t
-
-
-def _guard_action(v: Any) -> str:
-    t = str(v).strip().lower()
-    if t not in ("relax", "none"):
-        raise ConfigError(f"guard action must be 'relax' or 'none', not {v!r}")
     return t
 
 
@@ -199,14 +155,6 @@ def _systemd_writes(v: Any) -> str:
     return t
 
 
-def _policy(v: Any) -> Policy:
-    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)."""
-    try:
-        return Policy(str(v))
-    except ValueError:
-        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (in any case), not {v!r}")
-
-
 def _kubelet_version(v: Any) -> str:
     if isinstance(v, float):  # YAML reads 1.30 as the number 1.3
         raise ConfigError(f"write the kubelet version as a string (e.g. '1.30'), not the number {v!r}")
@@ -230,49 +178,6 @@ def _record_path(v: Any) -> str | None:
         raise ConfigError(f"the recorder writes plain JSON lines; {path!r} would be read back as compressed. "
                           "Record to a .jsonl file and compress it when it is finished (xz -k FILE)")
     return path
-
-
-def _octal_mode(v: Any) -> int:
-    """Permission bits written in octal (0600, 600, 0o600); an int is taken as the bits. From the
-    config file it gets the text as written (Option.file_text): YAML would read 0600 as 384."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        mode = v
-    else:
-        text = str(v).strip().lower().removeprefix("0o")
-        if not re.fullmatch(r"[0-7]{1,4}", text):
-            raise ConfigError(f"must be an octal mode, e.g. 0600, not {v!r}")
-        mode = int(text, 8)
-    if not 0 <= mode <= 0o777:
-        raise ConfigError(f"must be permission bits 0000..0777, not {mode:#o}")
-    if mode & 0o007:
-        raise ConfigError(f"{mode:04o} gives access to other users; refused")
-    return mode
-
-
-def _frame_size(v: Any) -> int:
-    n = _positive_int(v)
-    if not 16384 <= n <= 16777215:
-        raise ConfigError(f"an HTTP/2 frame size is 16384..16777215 (RFC 9113 6.5.2), not {n}")
-    return n
-
-
-def _nri_socket(v: Any) -> str:
-    text = str(v).strip()
-    if text.startswith("unix://"):
-        text = text[len("unix://"):]
-    if not text.startswith("/"):
-        raise ConfigError(f"the NRI socket must be an absolute path, not {v!r}")
-    return text
-
-
-def _nri_index(v: Any) -> int:
-    try:
-        n = int(str(v).strip(), 10)
-    except ValueError:
-        raise ConfigError(f"an NRI plugin index is a number 0..99, not {v!r}")
-    if not 0 <= n <= 99:
-        raise ConfigError(f"an NRI plugin index is 0..99 (two digits), not {n}")
-    return n
 
 
 FLAG, FILE = "flag", "file"  # Option.where: a flag of serve and nri as well as a config key, or a config key only
@@ -330,6 +235,15 @@ OPTIONS: tuple[Option, ...] = (
            "where the kubelet owns a container's memory.min (v1.36+, gate on, a memoryReservationPolicy) and "
            "sends one, lower it under the limit by the protection-headroom rule (never raised; the kubelet's "
            "memory.low and memory.high untouched); false forwards the kubelet's value as sent", where=FILE, decides=True),
+    Option("classes", "tuple[ContainerClass, ...] | None", None, parse_classes,
+           "memory QoS classes a pod may ask for (annotation memqos.io/class, or memqos.io/class.CONTAINER for one "
+           "container): a map of class name -> the settings it changes, named as these keys: policy, factor (or "
+           "none), protection-headroom-ratio, protection-headroom-min, guard-action, reclaim, swap; a setting a "
+           "class leaves out is the node's (docs/configuration.md, \"Classes\")", "MAP", where=FILE, decides=True),
+    Option("namespace-classes", "tuple[tuple[str, tuple[str, ...]], ...] | None", None, parse_namespace_classes,
+           "the classes each namespace's pods may use: a map of namespace ('*': every namespace) -> list of "
+           "class names; a namespace not named may use none, and its annotations get the node's settings", "MAP",
+           where=FILE, decides=True),
     Option("audit-log", "str | None", "-", _optional_path,
            "audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is reopened on SIGHUP "
            "(logrotate's create mode)"),
@@ -577,8 +491,8 @@ def resolve(args: argparse.Namespace, options: tuple[Option, ...] = OPTIONS) -> 
             continue
         values[attr] = _parse(o, raw)
         origin[attr], given_as[attr] = where, _said(o, raw)
-    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
-                  given_as=MappingProxyType(given_as))
+    return checked(Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
+                          given_as=MappingProxyType(given_as)))
 
 
 def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Config:
@@ -596,5 +510,5 @@ def reread(cfg: Config, path: str, options: tuple[Option, ...] = OPTIONS) -> Con
         elif o.name in from_file:
             values[attr] = _parse(o, from_file[o.name])
             origin[attr], given_as[attr] = "file", _said(o, from_file[o.name])
-    return Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
-                  given_as=MappingProxyType(given_as))
+    return checked(Config(**values, origin=MappingProxyType({f: origin.get(f, "default") for f in FIELDS}),
+                          given_as=MappingProxyType(given_as)))

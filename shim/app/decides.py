@@ -61,8 +61,16 @@ def header_settings(cfg: Config, resolved: Mapping[str, Any] | None = None) -> d
     """``{name: JSON value}`` of every deciding setting, for a recording's header: ``resolved``
     (by option name) holds the values the start resolved further, over ``cfg``'s."""
     resolved = resolved or {}
-    return {o.name: json_form(resolved[o.name] if o.name in resolved else getattr(cfg, attr(o)))
+    return {o.name: header_form(o.name, resolved[o.name] if o.name in resolved else getattr(cfg, attr(o)))
             for o in DECIDING}
+
+
+def header_form(name: str, value: Any) -> Any:
+    """The deciding setting ``name``'s ``value`` as a recording's header holds it: its JSON form,
+    or for the classes the config file's own form (shim.app.config_classes.FILE_FORMS)."""
+    from shim.app.config_classes import FILE_FORMS
+
+    return FILE_FORMS.get(name, json_form)(value)
 
 
 def parse_recorded(o: Option, value: Any) -> Any:

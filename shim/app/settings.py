@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from shim.decision import Policy
+from shim.decision.classes import ContainerClass
 
 
 def _all_default() -> Mapping[str, str]:
@@ -66,6 +67,16 @@ class Config:
     #: protection-headroom rule (never raised; the kubelet's memory.low and memory.high untouched);
     #: false forwards the kubelet's value as sent
     correct_kubelet_min: bool = False
+    #: classes (config file only): memory QoS classes a pod may ask for (annotation memqos.io/class,
+    #: or memqos.io/class.CONTAINER for one container): a map of class name -> the settings it
+    #: changes, named as these keys: policy, factor (or none), protection-headroom-ratio,
+    #: protection-headroom-min, guard-action, reclaim, swap; a setting a class leaves out is the
+    #: node's (docs/configuration.md, "Classes")
+    classes: tuple[ContainerClass, ...] | None = None
+    #: namespace-classes (config file only): the classes each namespace's pods may use: a map of
+    #: namespace ('*': every namespace) -> list of class names; a namespace not named may use none,
+    #: and its annotations get the node's settings
+    namespace_classes: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     #: --audit-log: audit log file (JSON lines), '-' for stdout, 'none' to discard; a file is
     #: reopened on SIGHUP (logrotate's create mode)
     audit_log: str | None = "-"

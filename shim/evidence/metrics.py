@@ -31,6 +31,7 @@ from shim.effects.rollout import MODES
 from shim.guard.sampling import EVENTS
 from shim.transport.hooks import RpcCall
 from shim.cri.methods import CRI_METHODS_BY_PATH
+from shim.decision.classes import REFUSAL_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -353,12 +354,21 @@ class Metrics:
             "memqos_cri_rewrite_duration_seconds",
             "time the shim itself spent rewriting the request (CreateContainer, UpdateContainerResources)",
             ("method",), buckets=REWRITE_BUCKETS, registry=r)
-        self.rewrites = Counter("memqos_rewrites", "requests whose unified map the shim changed",
-                                ("method", "qos", "request_source"), registry=r)
-        self.unchanged = Counter("memqos_unchanged", "decided requests the shim left as they were",
-                                 ("method",), registry=r)
+        self.rewrites = Counter("memqos_rewrites", "requests whose unified map the shim changed (class: the "
+                                "container's memory QoS class, '' for the node's settings)",
+                                ("method", "qos", "request_source", "class"), registry=r)
+        self.unchanged = Counter("memqos_unchanged", "decided requests the shim left as they were (class: as "
+                                 "memqos_rewrites)", ("method", "class"), registry=r)
+        # the class label's values: the configured class names and "" (set_classes); an audit
+        # record naming anything else counts under "" -- annotations never make new series
+        self.class_names: frozenset[str] = frozenset()
         self.fail_opens = Counter("memqos_fail_open", "requests forwarded unchanged because of an error",
                                   ("method",), registry=r)
+        self.class_refused = Counter(
+            "memqos_class_refused", "class annotations refused (the container got the node's settings), by reason",
+            ("reason",), registry=r)
+        for reason in REFUSAL_REASONS:
+            self.class_refused.labels(reason)
         self.cgroup_writes = Counter("memqos_cgroup_writes", "cgroup files written (audited writes)",
                                      ("level", "file"), registry=r)
         self.cgroup_refusals = Counter("memqos_cgroup_refusals", "cgroup paths refused (outside the tree, symlink, ...)",
@@ -436,6 +446,15 @@ class Metrics:
             self.ready = ready
         return self
 
+    def set_classes(self, names) -> "Metrics":
+        """The configured class names: the only values the ``class`` label takes besides ""."""
+        self.class_names = frozenset(str(n) for n in names)
+        return self
+
+    def _class(self, record: dict) -> str:
+        c = record.get("class")
+        return c if isinstance(c, str) and c in self.class_names else ""
+
     def rewrite_timer(self, method: str) -> Callable[[float], None]:
         """What takes the duration of one rewrite of ``method`` (the HookChain's timer)."""
         return self.rewrite_duration.labels(method_label(method)).observe
@@ -443,11 +462,14 @@ class Metrics:
     # -- the audit stream
     def on_audit(self, record: dict) -> None:
         event = record.get("event")
+        refused = record.get("class_refused")
+        if refused in REFUSAL_REASONS:  # (a bounded label set)
+            self.class_refused.labels(refused).inc()
         if event == "rewrite":
             self.rewrites.labels(str(record.get("method", "")), str(record.get("qos", "")),
-                                 str(record.get("request_source", ""))).inc()
+                                 str(record.get("request_source", "")), self._class(record)).inc()
         elif event == "unchanged":
-            self.unchanged.labels(str(record.get("method", ""))).inc()
+            self.unchanged.labels(str(record.get("method", "")), self._class(record)).inc()
         elif event == "fail-open":
             self.fail_opens.labels(str(record.get("method", ""))).inc()
         elif event == "cgroup-write":
@@ -530,5 +552,6 @@ def build_metrics(cfg, *, audit=None, monitor=None, reconciler=None, recorder=No
     """The metrics `serve` runs (None without --metrics-address)."""
     if not cfg.metrics_address:
         return None
-    return Metrics().attach(audit=audit, monitor=monitor, reconciler=reconciler, recorder=recorder,
-                            rollout=rollout)
+    classes = tuple(c.name for c in (getattr(cfg, "classes", None) or ()))
+    return Metrics().set_classes(classes).attach(audit=audit, monitor=monitor, reconciler=reconciler,
+                                                 recorder=recorder, rollout=rollout)

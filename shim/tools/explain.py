@@ -56,6 +56,49 @@ def qos_contradiction(qos: str | None, request: int, limit: int) -> str | None:
     return None
 
 
+def _class_choice(args: argparse.Namespace, node: decision.NodeFacts, policy: decision.Policy, qos):
+    """(ClassChoice, ContainerSettings) for --class NAME with the classes of --config FILE:
+    what the shim's choice gives a pod of --namespace asking for NAME by annotation (the
+    namespace check skipped without --namespace). Raises ValueError for a missing or bad file."""
+    from shim.decision.classes import CLASS_ANNOTATION, FROM_POD, ClassChoice, ContainerSettings, choose_class
+
+    base = ContainerSettings(None, node, policy, guard_action=args.guard_action, reclaim=args.reclaim == "true")
+    if not args.cls:
+        if args.namespace is not None or args.config:
+            raise ValueError("--namespace and --config go with --class NAME")
+        return None, base
+    if not args.config:
+        raise ValueError("--class needs --config FILE: the classes are the config file's (classes, namespace-classes)")
+    table = _class_table(args.config)
+    if args.namespace is None and args.cls in table.classes:
+        choice = ClassChoice(args.cls, FROM_POD)
+    else:
+        pod = decision.PodFacts(cgroup_parent=_QOS_PARENTS[qos], namespace=args.namespace or "",
+                                annotations={CLASS_ANNOTATION: args.cls})
+        choice = choose_class(table, pod, "explain")
+    return choice, table.resolve(base)[choice.name]
+
+
+def _class_table(path: str):
+    from shim.app.config import OPTIONS, ConfigError, resolve
+    from shim.app.config_classes import class_table
+
+    ns = argparse.Namespace(config=path, **{o.name.replace("-", "_"): None for o in OPTIONS})
+    try:
+        return class_table(resolve(ns))
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+
+
+def _class_lines(choice, settings) -> list[str]:
+    if choice is None:
+        return []
+    if choice.refused:
+        return [f"class: refused ({choice.refused}): {choice.note}"]
+    return [f"class {choice.name}: guard action {settings.guard_action}, reclaim {'on' if settings.reclaim else 'off'}, "
+            f"swap {'allowed' if settings.swap else 'as the kubelet sends it'}"]
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         return _explain_plot(args)
@@ -96,6 +139,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         qos = decision.QoSClass.BURSTABLE
     node = decision.NodeFacts(capacity=allocatable, allocatable=allocatable, page_size=page, factor=factor,
                               headroom_ratio=ratio, headroom_min=floor)
+    try:
+        choice, settings = _class_choice(args, node, policy, qos)
+    except ValueError as e:
+        print(f"memqos-shim explain: {e}", file=sys.stderr)
+        return 2
+    node, policy, factor = settings.node, settings.policy, settings.node.factor
+    ratio, floor = node.headroom_ratio, node.headroom_min
     d = decision.decide(
         decision.PodFacts(cgroup_parent=_QOS_PARENTS[qos]),
         decision.ContainerFacts(name="explain", limit=limit),
@@ -116,6 +166,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "protection_headroom_min": floor,
         "reasons": dict(d.reasons),
         **({"notes": list(d.notes)} if d.notes else {}),
+        **({**choice.record(), "guard_action": settings.guard_action, "reclaim": settings.reclaim,
+            "swap": settings.swap} if choice is not None else {}),
     }
     if kubelet is not None:
         written = kubelet_keys(kubelet, d, limit, node)
@@ -136,6 +188,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  cap: {cap}")
     for note in d.notes:
         print(f"  note: {note}")
+    for line in _class_lines(choice, settings):
+        print(f"  {line}")
     if kubelet is not None:
         print(f"  {kubelet.summary()}")
         print(f"  for this container it writes: {', '.join(sorted(written)) or 'nothing'}"
@@ -260,6 +314,17 @@ def register(sub) -> None:
     ex.add_argument("--protection-headroom-ratio", default="0.1", metavar="R",
                     help="a container's memory.min stays max(limit x R, --protection-headroom-min) under its limit")
     ex.add_argument("--protection-headroom-min", default="8Mi", metavar="Q", help="the least headroom (quantity)")
+    ex.add_argument("--class", dest="cls", metavar="NAME",
+                    help="the values a container of class NAME gets (the classes of --config): the class's settings "
+                         "over the ones above; an unknown class gives the node's, as serve does")
+    ex.add_argument("--config", metavar="FILE", help="the config file whose classes / namespace-classes --class reads")
+    ex.add_argument("--namespace", metavar="NS",
+                    help="the pod's namespace for --class: a class namespace-classes does not allow there is refused "
+                         "(the node's settings), as serve does")
+    ex.add_argument("--guard-action", default="relax", choices=["relax", "none"],
+                    help="the node's guard action, shown beside a class's (default relax)")
+    ex.add_argument("--reclaim", default="false", choices=["true", "false"],
+                    help="the node's proactive reclaim, shown beside a class's (default false)")
     ex.add_argument("--kubelet", metavar="VERSION",
                     help="also say which keys a kubelet of this version (1.22+) with the MemoryQoS gate on and its "
                          "defaults writes for this container itself")

@@ -93,7 +93,7 @@ class ReplaySettings:
         from shim.app.decides import DECIDING, attr
 
         parts = [f"capacity {self.node.capacity} ({self.origin['capacity']})"]
-        parts += [f"{o.name} {shown(getattr(self.config, attr(o)))} ({self.origin[o.name]})" for o in DECIDING]
+        parts += [f"{o.name} {shown(getattr(self.config, attr(o)), o.name)} ({self.origin[o.name]})" for o in DECIDING]
         parts.append(f"cgroup driver {self.kubelet.cgroup_driver}")
         if not self.enabled:
             parts.append("injection OFF as recorded")
@@ -108,11 +108,11 @@ class ReplaySettings:
                             for name in self.defaults))
 
 
-def shown(value: Any) -> str:
-    """A setting's value as the summary says it: JSON, strings and numbers without quotes."""
-    from shim.app.decides import json_form
+def shown(value: Any, name: str = "") -> str:
+    """A setting's value as the summary says it: the header's JSON form, strings and numbers bare."""
+    from shim.app.decides import header_form
 
-    value = json_form(value)
+    value = header_form(name, value)
     if value is None:
         return "none"
     return value if isinstance(value, str) else json.dumps(value)
@@ -343,6 +343,7 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
                        mode: str | None = None) -> ReplayResult:
+    from shim.app.config_classes import class_options
     from shim.app.service import build_container_qos
     from shim.container.chain import build_request_hooks
     from shim.cri.methods import CRI_METHODS
@@ -359,7 +360,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
 
     qos = build_container_qos(settings.node, settings.policy, emit, cgroup_v2=settings.enabled,
                               cgroup_root="(the recording node)", ownership=settings.ownership(),
-                              rollout=Rollout(mode or settings.mode))
+                              rollout=Rollout(mode or settings.mode), **class_options(settings.config))
     hooks = build_request_hooks(qos)
     workdir = tempfile.mkdtemp(prefix="memqos-replay-")
     runtime = TraceRuntime(trace.calls)

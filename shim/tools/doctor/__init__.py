@@ -14,12 +14,14 @@ import argparse
 import os
 import sys
 
+from shim.tools.doctor.classes import ClassChecks
 from shim.tools.doctor.common import FAIL, PASS, SKIP, WARN, Env, Result, kernel_version
 from shim.tools.doctor.kubelet import KubeletChecks
 from shim.tools.doctor.node import NodeChecks
 from shim.tools.doctor.nri import NriChecks
 from shim.tools.doctor.protection import ProtectionChecks
 from shim.tools.doctor.service import ShimChecks
+from shim.tools.doctor.swap import SwapChecks
 
 __all__ = ["DEFAULT_CONFIG", "FAIL", "PASS", "SKIP", "WARN", "Doctor", "Env", "Result", "cmd_doctor", "format_results",
            "kernel_version", "register", "skip_without_preconditions"]
@@ -27,12 +29,13 @@ __all__ = ["DEFAULT_CONFIG", "FAIL", "PASS", "SKIP", "WARN", "Doctor", "Env", "R
 DEFAULT_CONFIG = "/etc/memqos-shim/config.yaml"
 
 
-class Doctor(NodeChecks, KubeletChecks, ProtectionChecks, ShimChecks, NriChecks):
+class Doctor(NodeChecks, KubeletChecks, SwapChecks, ProtectionChecks, ShimChecks, ClassChecks, NriChecks):
     """Every check of `memqos-shim doctor`, in the order they print."""
 
     CHECKS = ("check_kernel", "check_psi", "check_cgroup_v2", "check_memory_controller", "check_kubelet_config",
-              "check_protection", "check_kubelet_endpoint", "check_upstream", "check_socket", "check_audit_log", "check_guard",
-              "check_metrics", "check_reclaim", "check_nri")
+              "check_swap", "check_kubelet_swap", "check_protection", "check_kubelet_endpoint", "check_upstream",
+              "check_socket", "check_audit_log", "check_guard", "check_metrics", "check_reclaim", "check_classes",
+              "check_nri")
 
     # a check that cannot pass while one of these failed: its pass would say nothing
     PRECONDITIONS = {
