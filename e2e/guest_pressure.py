@@ -22,13 +22,22 @@ Scenarios (pressure_model sizes, MiB):
   32 MiB more than its limit, request 32 limit 384 (memory.high 35 MiB under memory.max with the
   factor 0.9) and request 240 limit 256 (1.6 MiB under): held at memory.high, or through to
   memory.max. The shim's PSI guard, which would lift memory.high off the held one, is not run
-  here (it acts on containers the shim created through the runtime; see the guard scenario).
+  here (it acts on containers the shim created through the runtime; see the guard scenario);
+* the class scenarios (class_scenarios), each under none, the shim's default class and the class
+  under test (pressure_model.CLASSES_CONFIG, read by the shim's own parser): class-nothrottle (no
+  swap: a grower past its memory.high under a class without memory.high), then, after a zram swap
+  device is switched on (setup_swap), class-swap (a grower past memory.high and memory.max under
+  a swap class, beside anon-heavy protected holders) and node-pressure-swap (node pressure from
+  an aggressor that keeps its anonymous memory hot).
 
 Checks (report checks, scenario "pressure"): no OOM kill that the no-protection baseline does not
 have (every value set of the shim's; the kubelet's outcome is in the table only); under the shim's
 default values the Guaranteed and Burstable holders' file refaults at most a tenth of the
-baseline's, and the BestEffort holder reclaimed no later than the Burstable one. No timing is
-asserted."""
+baseline's, and the BestEffort holder reclaimed no later than the Burstable one; with swap the
+same for anon refaults; the no-throttling class never at memory.high (memory.events high 0, the
+default class's > 0) and OOM-killed exactly when no QoS is; the swap class's grower not OOM-killed,
+running at the end with pages in swap, its protected neighbours' anon at least RESIDENT of what it
+was. No timing is asserted."""
 from __future__ import annotations
 
 import json
