@@ -17,7 +17,7 @@ Scenarios (pressure_model sizes, MiB):
 * node-pressure: holders of each QoS class (64 anon + 2 x 24 files each, touched and read in a
   loop), then a BestEffort aggressor grows until kubepods has room for the Guaranteed and
   Burstable holders' files and half the BestEffort one's; the holders loop on for a hold (20 s
-  quick, 30 s full) once the aggressor is done growing (or GROW s went by);
+  quick, 30 s full) once the aggressor is done growing (or 60 s went by);
 * gap-wide, gap-narrow (full only): a Guaranteed holder beside a Burstable aggressor that wants
   32 MiB more than its limit, request 32 limit 384 (memory.high 35 MiB under memory.max with the
   factor 0.9) and request 240 limit 256 (1.6 MiB under): held at memory.high, or through to
@@ -78,7 +78,8 @@ def scenarios(mode: str) -> list[dict]:
         {"name": "pagecache-multi", "allocatable": allocatable, "timeout": 300, "pods": [
             M.Pod("multi", "a0000003", (G("cache", 192 * MI, 192 * MI, ("write", 100, 10, 20, passes)),
                                     G("anon", 128 * MI, 128 * MI, ("hog", 126, 0))), "writer")]},
-        {"name": "node-pressure", "allocatable": allocatable, "hold": 20 if quick else 30, "timeout": 240, "pods": [
+        {"name": "node-pressure", "allocatable": allocatable, "hold": 20 if quick else 30, "grow": 60, "timeout": 240,
+         "pods": [
             M.Pod("guaranteed", "b0000001", (G("app", 128 * MI, 128 * MI, holder),)),
             M.Pod("burstable", "b0000002", (G("app", 128 * MI, 256 * MI, holder),)),
             M.Pod("besteffort", "b0000003", (G("app", 0, 0, holder),)),
@@ -100,29 +101,33 @@ def class_scenarios(mode: str) -> list[dict]:
     quick = mode == "quick"
     G = M.Box
     holder = ("loop", 64, 2, 24, 0)
-    anon_holder = ("loop", 96, 1, 16, 0)  # mostly anonymous: what swap can take from it
+    # idle 3 s after every pass: with swap, a working set that is not busy all the time is what
+    # reclaim takes first (anon to swap, files dropped) unless protection keeps it
+    idle_holder = ("loop", 64, 2, 24, 0, 3000)
+    anon_holder = ("loop", 96, 1, 16, 0, 3000)  # mostly anonymous: what swap can take from it
     return [
-        # (a) an anonymous-memory grower past its memory.high (request 32, limit 384: 348.8 MiB with
-        # the factor 0.9) that wants 416: the default class holds it at memory.high, the class
-        # without memory.high lets it through to memory.max like no QoS
-        {"name": "class-nothrottle", "allocatable": 640 * MI, "hold": 5 if quick else 15, "grow": 15 if quick else 30,
+        # (a) an anonymous-memory grower past its memory.high (request 32, limit 256: 233.6 MiB with
+        # the factor 0.9) that wants 288, as fast as it can: the default class holds it at memory.high,
+        # the class without memory.high lets it through to memory.max like no QoS
+        {"name": "class-nothrottle", "allocatable": 640 * MI, "hold": 5 if quick else 15, "grow": 25 if quick else 40,
          "timeout": 180, "sets": ("none", "shim", LATENCY), "classed": ("aggressor",), "pods": [
              M.Pod("guaranteed", "d0000001", (G("app", 128 * MI, 128 * MI, holder),)),
-             M.Pod("aggressor", "d1000001", (G("app", 32 * MI, 384 * MI, ("hog", 416, 10)),), "aggressor")]},
-        # (b) with swap: a grower that wants 32 MiB more than its limit (request 64, limit 320) beside
+             M.Pod("aggressor", "d1000001", (G("app", 32 * MI, 256 * MI, ("hog", 288, 0)),), "aggressor")]},
+        # (b) with swap: a grower that wants 32 MiB more than its limit (request 64, limit 320; memory.high
+        # 294.4 MiB), as fast as it can, beside
         # anon-heavy Guaranteed and Burstable holders, kubepods (480) short by about 70 MiB
         {"name": "class-swap", "swap": True, "allocatable": 480 * MI, "hold": 10 if quick else 20,
          "grow": 30, "timeout": 200, "sets": ("none", "shim", SWAPPER), "classed": ("aggressor",), "pods": [
              M.Pod("guaranteed", "e0000001", (G("app", 128 * MI, 128 * MI, anon_holder),)),
              M.Pod("burstable", "e0000002", (G("app", 128 * MI, 256 * MI, anon_holder),)),
-             M.Pod("aggressor", "e1000001", (G("app", 64 * MI, 320 * MI, ("hog", 352, 10)),), "aggressor")]},
+             M.Pod("aggressor", "e1000001", (G("app", 64 * MI, 320 * MI, ("hog", 352, 0)),), "aggressor")]},
         # (c) node pressure with swap: the holders of node-pressure beside a BestEffort aggressor that
         # keeps touching 360 MiB of anonymous memory (its pages as hot as the holders')
         {"name": "node-pressure-swap", "swap": True, "allocatable": 640 * MI, "hold": 20 if quick else 30,
          "timeout": 240, "sets": ("none", "shim") if quick else ("none", "shim", SWAPPER), "classed": ("*",), "pods": [
-             M.Pod("guaranteed", "f0000001", (G("app", 128 * MI, 128 * MI, holder),)),
-             M.Pod("burstable", "f0000002", (G("app", 128 * MI, 256 * MI, holder),)),
-             M.Pod("besteffort", "f0000003", (G("app", 0, 0, holder),)),
+             M.Pod("guaranteed", "f0000001", (G("app", 128 * MI, 128 * MI, idle_holder),)),
+             M.Pod("burstable", "f0000002", (G("app", 128 * MI, 256 * MI, idle_holder),)),
+             M.Pod("besteffort", "f0000003", (G("app", 0, 0, idle_holder),)),
              M.Pod("aggressor", "f0000004", (G("app", 0, 0, ("loop", 360, 0, 0, 0)),), "aggressor")]},
     ]
 
@@ -210,8 +215,10 @@ class PressureScenario:
     def command(self, work: tuple, data_dir: str) -> list[str]:
         if work[0] == "hog":
             return [os.path.join(self.bin, "hog"), str(work[1]), str(work[2])]
-        kind, anon, files, file_mib, passes = work
-        return [os.path.join(self.bin, "pressure"), str(anon), str(files), str(file_mib), str(passes), data_dir, kind]
+        kind, anon, files, file_mib, passes = work[:5]
+        pause = [str(work[5])] if len(work) > 5 else []  # ms idle after every pass
+        return [os.path.join(self.bin, "pressure"), str(anon), str(files), str(file_mib), str(passes), data_dir,
+                kind] + pause
 
     def sample(self, pods: list[M.Pod], t0: float) -> dict:
         out = {"t": round(time.time() - t0, 3), "pods": {}}

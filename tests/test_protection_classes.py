@@ -24,7 +24,7 @@ import pressure_outcome as O  # noqa: E402
 MI = M.MI
 NODE = M.node_facts(1400 * MI, 640 * MI)
 HOLDER = M.Pod("guaranteed", "d0000001", (M.Box("app", 128 * MI, 128 * MI, ("loop", 64, 2, 24, 0)),))
-GROWER = M.Pod("aggressor", "d1000001", (M.Box("app", 32 * MI, 384 * MI, ("hog", 416, 10)),), "aggressor")
+GROWER = M.Pod("aggressor", "d1000001", (M.Box("app", 32 * MI, 256 * MI, ("hog", 288, 0)),), "aggressor")
 PODS = [HOLDER, GROWER]
 
 
