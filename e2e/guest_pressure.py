@@ -103,7 +103,6 @@ def class_scenarios(mode: str) -> list[dict]:
     holder = ("loop", 64, 2, 24, 0)
     # idle 3 s after every pass: with swap, a working set that is not busy all the time is what
     # reclaim takes first (anon to swap, files dropped) unless protection keeps it
-    idle_holder = ("loop", 64, 2, 24, 0, 3000)
     anon_holder = ("loop", 96, 1, 16, 0, 3000)  # mostly anonymous: what swap can take from it
     return [
         # (a) an anonymous-memory grower past its memory.high (request 32, limit 256: 233.6 MiB with
@@ -121,14 +120,15 @@ def class_scenarios(mode: str) -> list[dict]:
              M.Pod("guaranteed", "e0000001", (G("app", 128 * MI, 128 * MI, anon_holder),)),
              M.Pod("burstable", "e0000002", (G("app", 128 * MI, 256 * MI, anon_holder),)),
              M.Pod("aggressor", "e1000001", (G("app", 64 * MI, 320 * MI, ("hog", 352, 0)),), "aggressor")]},
-        # (c) node pressure with swap: the holders of node-pressure beside a BestEffort aggressor that
-        # keeps touching 360 MiB of anonymous memory (its pages as hot as the holders')
+        # (c) node pressure with swap: anon-heavy idle holders of each QoS class (96 anon + 16 file)
+        # beside a BestEffort aggressor that keeps touching 400 MiB of anonymous memory (its pages as
+        # hot as it can keep them): kubepods (640) about 100 MiB short, more than all the holders' files
         {"name": "node-pressure-swap", "swap": True, "allocatable": 640 * MI, "hold": 20 if quick else 30,
          "timeout": 240, "sets": ("none", "shim") if quick else ("none", "shim", SWAPPER), "classed": ("*",), "pods": [
-             M.Pod("guaranteed", "f0000001", (G("app", 128 * MI, 128 * MI, idle_holder),)),
-             M.Pod("burstable", "f0000002", (G("app", 128 * MI, 256 * MI, idle_holder),)),
-             M.Pod("besteffort", "f0000003", (G("app", 0, 0, idle_holder),)),
-             M.Pod("aggressor", "f0000004", (G("app", 0, 0, ("loop", 360, 0, 0, 0)),), "aggressor")]},
+             M.Pod("guaranteed", "f0000001", (G("app", 128 * MI, 128 * MI, anon_holder),)),
+             M.Pod("burstable", "f0000002", (G("app", 128 * MI, 256 * MI, anon_holder),)),
+             M.Pod("besteffort", "f0000003", (G("app", 0, 0, anon_holder),)),
+             M.Pod("aggressor", "f0000004", (G("app", 0, 0, ("loop", 400, 0, 0, 0)),), "aggressor")]},
     ]
 
 
