@@ -236,8 +236,9 @@ def class_table(runs: list[dict]) -> str:
 
 def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
     """One PNG for a scenario: a column per value set; top memory.current of every pod over time
-    with its memory.min / low / high as dashed / dotted / dash-dot lines and OOM kills marked, bottom
-    the pods' cumulative file refaults."""
+    with its memory.min / low / high as dashed / dotted / dash-dot lines, its pages in swap as a wide
+    light line and OOM kills marked, bottom the pods' cumulative file (and anon) refaults and, on the
+    right axis, their cumulative memory stall seconds (PSI full)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.2 * max(1, len(runs)), 7), dpi=80)
@@ -245,6 +246,7 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
     colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for col, (run, samples) in enumerate(runs):
         top, bottom = axes[0][col], axes[1][col]
+        stall_ax = None
         top.set_title(f"{run['set']}: {outcome(run)}"[:60], fontsize=8)
         for i, pod in enumerate(run["pods"]):
             c = colours[i % len(colours)]
@@ -263,6 +265,15 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
                 series = [v.get("stat", {}).get(key, 0) - base for _, v in pts]
                 if key.endswith("file") or any(series):
                     bottom.plot(ts, series, color=c, linestyle=style)
+            if any(v.get("swap", 0) for _, v in pts):  # pages in swap: a light wide line
+                top.plot(ts, [v.get("swap", 0) / MI for _, v in pts], color=c, linewidth=3, alpha=0.3)
+            if any(v.get("psi") for _, v in pts):  # stall seconds (memory.pressure full), right axis
+                if stall_ax is None:
+                    stall_ax = bottom.twinx()
+                    stall_ax.set_ylabel("stalled s (PSI full) ..", fontsize=7)
+                first = pts[0][1].get("psi", {}).get("full", 0)
+                stall_ax.plot(ts, [(v.get("psi", {}).get("full", first) - first) / 1e6 for _, v in pts], color=c,
+                              linestyle=":")
             kills = [t for (t, v), (_, w) in zip(pts[1:], pts[:-1])
                      if v.get("events", {}).get("oom_kill", 0) > w.get("events", {}).get("oom_kill", 0)]
             for t in kills:
@@ -271,7 +282,7 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
         if run.get("pressure_t") is not None:
             for ax in (top, bottom):
                 ax.axvline(run["pressure_t"], color="grey", linewidth=0.6, linestyle=":")
-        top.set_ylabel("memory.current MiB (min -- low .. high -.)", fontsize=7)
+        top.set_ylabel("memory.current MiB (min -- low .. high -.; swap: wide, light)", fontsize=7)
         bottom.set_ylabel("refaults, pages (file -, anon --)", fontsize=7)
         bottom.set_xlabel("s", fontsize=7)
         top.legend(fontsize=6, loc="lower right")
