@@ -369,7 +369,9 @@ class PressureScenario:
                 self.report.save()
                 log(f"pressure: {run['scenario']} {run['set']}: {O.outcome(run)} in {run['duration_s']} s")
         self.checks(results)
-        self.data["table"] = O.table(self.data["runs"])
+        plain = [r for r in self.data["runs"] if not O.is_class(r)]
+        classed = [r for r in self.data["runs"] if O.is_class(r)]
+        self.data["table"] = "\n\n".join(([O.table(plain)] if plain else []) + ([O.class_table(classed)] if classed else []))
         self.data["summary"] = self.data["table"].splitlines()
 
     def checks(self, results: dict) -> None:
