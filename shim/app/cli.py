@@ -31,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    say_unused("serve", args.config)
     from shim.app.limits import raise_nofile_limit
     from shim.app.service import Service
     from shim.effects.files import UnsafeFile
@@ -61,6 +62,7 @@ def cmd_nri(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    say_unused("nri", args.config)
     from shim.app.nri_front import NriService
     from shim.effects.files import UnsafeFile
 
@@ -74,6 +76,14 @@ def cmd_nri(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", e)
         return 1
     return asyncio.run(_serve(service, f"NRI plugin on {cfg.nri_socket}", config_path=args.config))
+
+
+def say_unused(front: str, config_path: str | None) -> None:
+    """Log the config file's settings the other front end only uses (shim.app.config_unused)."""
+    from shim.app.config_unused import unused_note
+
+    if (note := unused_note(front, config_path, front_end_options(front))) is not None:
+        log.info("%s", note)
 
 
 # -- SIGHUP --------------------------------------------------------------------

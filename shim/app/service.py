@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from shim.app.config import Config
+from shim.app.config_classes import class_options, unprotected_classes
 from shim.container.chain import CallFinisher, build_request_hooks
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CRI_METHODS
@@ -22,14 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "",
-                        ownership=None, rollout: Rollout | None = None) -> ContainerMemoryQoS:
+                        ownership=None, rollout: Rollout | None = None, **classes) -> ContainerMemoryQoS:
     """The CreateContainer / UpdateContainerResources rewriter exactly as `serve` builds it
     (`memqos-shim replay` builds its request path with this too). ``ownership``
     (shim.node.kubelet.Ownership): the unified keys the kubelet owns are forwarded unchanged.
-    ``rollout``: enforce or observe (shim.effects.rollout), shared with the cgroup writers."""
+    ``rollout``: enforce or observe (shim.effects.rollout), shared with the cgroup writers.
+    ``classes``: ``classes`` (a ClassTable), ``guard_action`` and ``reclaim``, as
+    ``class_options(cfg)`` makes them (none: the node's settings for every container)."""
     reason = "" if cgroup_v2 else f"{cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
     return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership,
-                              rollout=rollout)
+                              rollout=rollout, **classes)
 
 
 VERSION_PENDING = "auto: not known yet, `kubelet --version` runs in the background"
@@ -63,10 +66,15 @@ def read_node(cfg: Config):
         log.warning("kubelet config: %s", problem)
     capacity = read_mem_total(cfg.meminfo)
     page = cfg.page_size or system_page_size()
-    node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor,
+    return kubelet, capacity, page, decided_node(cfg, kubelet, capacity, page), is_cgroup_v2(cfg.cgroup_root)
+
+
+def decided_node(cfg: Config, kubelet, capacity: int, page: int):
+    """The node's facts as the decision takes them from the settings: both front ends, and
+    `replay` from the recording's settings (shim.app.decides)."""
+    return node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor,
                       headroom_ratio=cfg.protection_headroom_ratio, headroom_min=cfg.protection_headroom_min,
                       correct_kubelet_min=cfg.correct_kubelet_min)
-    return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
 
 
 def start_audit(cfg: Config) -> AuditLog:
@@ -166,7 +174,7 @@ class Service:
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         rollout = Rollout(cfg.mode)
         qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
-                                  ownership=owners, rollout=rollout)
+                                  ownership=owners, rollout=rollout, **class_options(cfg))
         backend = protobuf_backend()
         if backend != "upb":
             log.warning("protobuf backend is %r, not upb: each rewrite costs ~1 ms instead of ~10 us", backend)
@@ -207,6 +215,9 @@ class Service:
         from shim.node.reconciler import build_reconciler
 
         reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
+        if reconciler is not None:
+            reconciler.state.unprotected = unprotected_classes(qos.class_settings)
+            qos.recorded_class = lambda cid: reconciler.view.classes.get(cid)
         from shim.guard.monitor import build_monitor
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler,
@@ -296,7 +307,7 @@ class Service:
         owns what and hand it to the rewriter (from its next call), the reconciler (recomputed
         on its thread), the guard and the recorder's next file; audit what changed."""
         from shim.node.kubelet import CONTAINER_HIGH
-        from shim.guard.monitor import guard_for_ownership
+        from shim.guard.monitor import guard_for_ownership, kubelet_owns_high
 
         before = self.container_qos.ownership
         writes, owners, _, _ = kubelet_ownership(self.cfg, self.kubelet, version, nri=self.nri)
@@ -308,9 +319,9 @@ class Service:
             self.reconciler.set_ownership(owners, "kubelet version known")
         if self.monitor is not None and CONTAINER_HIGH in changed:
             self.monitor.guard = guard_for_ownership(self.cfg, owners)
+            self.monitor.kubelet_high = kubelet_owns_high(owners)
         if self.recorder is not None:  # the files after the next rotation say it
-            header = self.recorder.header
-            self.recorder.header = {**header, "shim": {**header.get("shim", {}), "kubelet_version": "%d.%d" % version}}
+            self.record_setting("kubelet-version", "%d.%d" % version, kubelet_version="%d.%d" % version)
         self.audit.emit({
             "event": "kubelet-version-known",
             "kubelet_version": "%d.%d" % version,
@@ -338,11 +349,22 @@ class Service:
         if not self.rollout.set(mode):
             return False
         self.audit.emit({"event": "mode", "from": before, "to": mode, "why": why})
+        self.record_setting("mode", mode)
         log.warning("mode %s -> %s (%s)", before, mode, why)
         say_mode(self.rollout)
         if mode != OBSERVE and self.reconciler is not None:
             self.reconciler.enforce_now(f"mode {before} -> {mode}")
         return True
+
+    def record_setting(self, name: str, value, **legacy) -> None:
+        """A deciding setting changed while running: the recorder's next file (after a rotation
+        or a reopen) says it in its header; the current file keeps the one it started with."""
+        if getattr(self, "recorder", None) is None:
+            return
+        header = self.recorder.header
+        shim = header.get("shim", {})
+        self.recorder.header = {**header, "shim": {**shim, **legacy, "settings": {**shim.get("settings", {}),
+                                                                                 name: value}}}
 
     # -- /healthz and /readyz
     def side_threads(self) -> tuple:
@@ -406,7 +428,9 @@ def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool, k
     """--record: the trace recorder, its header holding the node facts and the settings the
     shim decides with (so a replay of the recording reproduces its audit records)."""
     from shim import __version__
+    from shim.app.decides import header_settings
     from shim.evidence.recorder import Recorder, read_kubelet_config_doc, shim_header
+    from shim.node.kubelet import fmt_version
 
     header = shim_header(
         version=__version__,
@@ -422,6 +446,8 @@ def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool, k
         upstream=cfg.upstream,
         methods=cfg.record_methods or "default",
         kubelet_version=None if kubelet_version is None else "%d.%d" % kubelet_version,
+        settings=header_settings(cfg, {"node-allocatable": node.allocatable, "factor": node.factor,
+                                       "page-size": node.page_size, "kubelet-version": fmt_version(kubelet_version)}),
     )
     return Recorder(cfg.record, header, max_bytes=cfg.record_max_bytes, keep=cfg.record_keep,
                     methods=cfg.record_methods).start()
