@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from shim.app.config_classes import parse_classes
-from shim.decision.classes import ContainerClass, ContainerSettings, apply_class
+from shim.decision.classes import ContainerClass, ContainerSettings, apply_class, with_swap
 from shim.decision.facts import ContainerFacts, NodeFacts, Policy, PodFacts, QoSClass
 from shim.decision.memory import decide
 from shim.decision.node import PlacedPod, node_targets
@@ -171,7 +171,7 @@ SHIM_KEYS = ("memory.min", "memory.low", "memory.high", "memory.swap.max")
 def shim_values(pods: list[Pod], node: NodeFacts, policy: Policy,
                 classed: dict[str, ContainerClass] | None = None) -> Layout:
     """What the shim writes under ``policy``: each container's unified memory.min / low / high
-    (and memory.swap.max where the decision writes one) from ``decide`` (the kubelet's gate-on
+    (and memory.swap.max where a swap class's ``with_swap`` adds one) from ``decide`` (the kubelet's gate-on
     values are what it is sent, as CreateContainer carries them), pod / QoS / kubepods memory.min
     / low from ``node_targets``. ``classed``: pod name -> the class its containers were created
     with; their settings are ``apply_class``'s over the node's (a pod not named: the node's)."""
@@ -189,8 +189,8 @@ def shim_values(pods: list[Pod], node: NodeFacts, policy: Policy,
             path = f"{pod.path}/{b.name}"
             unified = {k: v for k, v in sent.files.get(path, {}).items()}
             settings = apply_class(classed.get(pod.name), base)
-            d = decide(facts, ContainerFacts(name=b.name, limit=b.limit, oom_score_adj=oom_score_adj(
-                pod, b, node.capacity), unified=unified), settings.node, settings.policy)
+            d = with_swap(decide(facts, ContainerFacts(name=b.name, limit=b.limit, oom_score_adj=oom_score_adj(
+                pod, b, node.capacity), unified=unified), settings.node, settings.policy), settings)
             for key in SHIM_KEYS:
                 if key in d.unified_after:
                     lay.put(path, key, d.unified_after[key])

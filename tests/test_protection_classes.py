@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shim.decision.classes import ContainerClass, ContainerSettings, apply_class
+from shim.decision.classes import ContainerClass, ContainerSettings, apply_class, with_swap
 from shim.decision.facts import ContainerFacts, Policy, PodFacts
 from shim.decision.memory import decide
 
@@ -33,9 +33,11 @@ def decided(pod: M.Pod, cls: ContainerClass | None) -> dict:
     path = f"{pod.path}/{box.name}"
     sent = M.kubelet_values(PODS, NODE.allocatable)
     s = apply_class(cls, ContainerSettings(cls=None, node=NODE, policy=M.SHIM_DEFAULT))
-    d = decide(PodFacts(uid=pod.uid, name=pod.name, namespace="default", cgroup_parent="/" + pod.path.rsplit("/", 1)[0]),
-               ContainerFacts(name=box.name, limit=box.limit, oom_score_adj=M.oom_score_adj(pod, box, NODE.capacity),
-                              unified=dict(sent.files.get(path, {}))), s.node, s.policy)
+    d = with_swap(decide(PodFacts(uid=pod.uid, name=pod.name, namespace="default",
+                                  cgroup_parent="/" + pod.path.rsplit("/", 1)[0]),
+                         ContainerFacts(name=box.name, limit=box.limit,
+                                        oom_score_adj=M.oom_score_adj(pod, box, NODE.capacity),
+                                        unified=dict(sent.files.get(path, {}))), s.node, s.policy), s)
     return {k: v for k, v in d.unified_after.items() if k in M.SHIM_KEYS}
 
 
@@ -69,6 +71,15 @@ def test_no_throttling_class_drops_memory_high_only():
     assert shim.get(f"{GROWER.path}/app", "memory.high")  # the default class throttles it
     assert lay.get(f"{GROWER.path}/app", "memory.high") == ""
     assert lay.get(f"{GROWER.path}/app", "memory.min") == shim.get(f"{GROWER.path}/app", "memory.min")
+
+
+def test_swap_class_opens_swap_where_the_kubelet_sent_none():
+    """The swap scenarios' kubelet leaves memory.swap.max to the runtime: the swap class writes max
+    (what the runtime's default is), the default class nothing."""
+    lay = M.values(M.CLASS_PREFIX + "swap", PODS, NODE, ("aggressor",))
+    assert lay.get(f"{GROWER.path}/app", "memory.swap.max") == "max"
+    assert lay.get(f"{HOLDER.path}/app", "memory.swap.max") == ""
+    assert M.values("shim", PODS, NODE).get(f"{GROWER.path}/app", "memory.swap.max") == ""
 
 
 def test_unknown_class_and_policy_changing_class_are_refused():
