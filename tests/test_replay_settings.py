@@ -19,7 +19,7 @@ import tempfile
 import pytest
 import yaml
 
-from shim.app.cli import main
+from shim.cli.main import main
 from shim.app.decides import DECIDING, json_form
 from shim.evidence.recorder import MethodFilter
 from shim.evidence.trace import read_trace, write_trace
@@ -65,7 +65,7 @@ def _lines(path) -> list[dict]:
 def _record(tmp_path, settings: dict, kubelet_config: dict | None = None) -> tuple[str, str]:
     """`serve --config` with ``settings``, the kubelet's calls through it; (recording, audit log).
     ``kubelet_config``: keys set in the recorded kubelet's KubeletConfiguration."""
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
     from shim.app.config import resolve
     from shim.app.service import Service
     from shim.tools.replay import drive
@@ -232,7 +232,7 @@ def test_a_setting_changed_while_running_is_in_the_next_files_header(tmp_path):
     recorder's next file (a reopen after logrotate here); the current file keeps its own."""
     import os
 
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
     from shim.app.config import resolve
     from shim.app.service import Service
     from shim.transport.hooks import RpcCall

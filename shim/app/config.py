@@ -31,31 +31,12 @@ from shim.app.config_classes import checked, parse_classes, parse_namespace_clas
 from shim.app.config_file import ConfigError, FileValue, read_settings_file
 from shim.app.config_parsers import frame_size as _frame_size, nri_index as _nri_index, nri_socket as _nri_socket
 from shim.app.config_parsers import octal_mode as _octal_mode
+from shim.app.config_parsers import boolean as _bool, factor as _factor, guard_action as _guard_action, \
+    headroom_ratio as _headroom_ratio, policy as _policy, quantity as _quantity
 from shim.app.settings import FIELDS, Config
 from shim.decision import Policy
-from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_bytes, parse_page_size
+from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_page_size
 from shim.effects.rollout import MODES
-
-
-def _factor(v: Any) -> float | None | str:
-    if v is None or (isinstance(v, str) and v.strip().lower() == "none"):
-        return None
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"must be a number in (0, 1], 'auto' or 'none', not {v!r}")
-    if not 0 < f <= 1:
-        raise ConfigError(f"must be in (0, 1], not {f}")
-    return f
-
-
-def _quantity(v: Any) -> int:
-    try:
-        return parse_bytes(v if isinstance(v, (str, int)) else str(v))
-    except QuantityError as e:
-        raise ConfigError(str(e))
 
 
 def _positive_int(v: Any) -> int:
@@ -101,17 +82,6 @@ def _regex(v: Any) -> str | None:
     return text
 
 
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    t = str(v).strip().lower()
-    if t in ("true", "yes", "on", "1"):
-        return True
-    if t in ("false", "no", "off", "0"):
-        return False
-    raise ConfigError(f"expected true or false, not {v!r}")
-
-
 def _metrics_address(v: Any) -> str | None:
     """'HOST:PORT', '[v6]:PORT' or a bare PORT (127.0.0.1); 'none' or empty: off."""
     if v is None or str(v).strip().lower() in ("", "none", "off"):
@@ -137,16 +107,6 @@ def _non_negative_float(v: Any) -> float:
     return n
 
 
-def _headroom_ratio(v: Any) -> float:
-    try:
-        n = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"not a number: {v!r}")
-    if not 0 <= n < 1:
-        raise ConfigError(f"must be in [0, 1): {v!r}")
-    return n
-
-
 def _percent(v: Any) -> float:
     text = str(v).strip().rstrip("%")
     try:
@@ -162,13 +122,6 @@ def _mode(v: Any) -> str:
     t = str(v).strip().lower()
     if t not in MODES:
         raise ConfigError(f"mode must be one of {list(MODES)}, not {v!r}")
-    return t
-
-
-def _guard_action(v: Any) -> str:
-    t = str(v).strip().lower()
-    if t not in ("relax", "none"):
-        raise ConfigError(f"guard action must be 'relax' or 'none', not {v!r}")
     return t
 
 
@@ -200,14 +153,6 @@ def _systemd_writes(v: Any) -> str:
     if t not in SYSTEMD_WRITES:
         raise ConfigError(f"systemd-writes must be one of {list(SYSTEMD_WRITES)}, not {v!r}")
     return t
-
-
-def _policy(v: Any) -> Policy:
-    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)."""
-    try:
-        return Policy(str(v))
-    except ValueError:
-        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (in any case), not {v!r}")
 
 
 def _kubelet_version(v: Any) -> str:
