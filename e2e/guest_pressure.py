@@ -17,18 +17,27 @@ Scenarios (pressure_model sizes, MiB):
 * node-pressure: holders of each QoS class (64 anon + 2 x 24 files each, touched and read in a
   loop), then a BestEffort aggressor grows until kubepods has room for the Guaranteed and
   Burstable holders' files and half the BestEffort one's; the holders loop on for a hold (20 s
-  quick, 30 s full) once the aggressor is done growing (or GROW s went by);
+  quick, 30 s full) once the aggressor is done growing (or 60 s went by);
 * gap-wide, gap-narrow (full only): a Guaranteed holder beside a Burstable aggressor that wants
   32 MiB more than its limit, request 32 limit 384 (memory.high 35 MiB under memory.max with the
   factor 0.9) and request 240 limit 256 (1.6 MiB under): held at memory.high, or through to
   memory.max. The shim's PSI guard, which would lift memory.high off the held one, is not run
-  here (it acts on containers the shim created through the runtime; see the guard scenario).
+  here (it acts on containers the shim created through the runtime; see the guard scenario);
+* the class scenarios (class_scenarios), each under none, the shim's default class and the class
+  under test (pressure_model.CLASSES_CONFIG, read by the shim's own parser): class-nothrottle (no
+  swap: a grower past its memory.high under a class without memory.high), then, after a zram swap
+  device is switched on (setup_swap), class-swap (a grower past memory.high and memory.max under
+  a swap class, beside anon-heavy protected holders) and node-pressure-swap (node pressure from
+  an aggressor that keeps its anonymous memory hot).
 
 Checks (report checks, scenario "pressure"): no OOM kill that the no-protection baseline does not
 have (every value set of the shim's; the kubelet's outcome is in the table only); under the shim's
 default values the Guaranteed and Burstable holders' file refaults at most a tenth of the
-baseline's, and the BestEffort holder reclaimed no later than the Burstable one. No timing is
-asserted."""
+baseline's, and the BestEffort holder reclaimed no later than the Burstable one; with swap the
+same for anon refaults; the no-throttling class never at memory.high (memory.events high 0, the
+default class's > 0) and OOM-killed exactly when no QoS is; the swap class's grower not OOM-killed,
+running at the end with pages in swap, its protected neighbours' anon at least RESIDENT of what it
+was. No timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -39,7 +48,7 @@ import subprocess
 import threading
 import time
 
-from guest_common import CGROOT, MI, RUN, InfraError, Report, cg_read, cg_write, log, parse_events
+from guest_common import CGROOT, MI, RUN, InfraError, Report, cg_read, cg_write, log, parse_events, parse_pressure_full
 import pressure_model as M
 import pressure_outcome as O
 
@@ -47,6 +56,10 @@ PODS_SET = {"quick": ("none", "shim"), "full": M.SETS}
 SAMPLE = 0.2  # s between samples
 GROW = 30.0  # s an aggressor may take to reach its target before the hold begins anyway
 FS_MIB = 400  # the ramdisk the files live on (its pages are guest memory outside every cgroup)
+SWAP_MIB = 512  # the zram swap device of the swap scenarios (its pages are guest memory outside every cgroup)
+RESIDENT = 0.9  # a holder's anon "stays resident" when it ends at or above this share of what it was
+ONLY_FILE = "pressure-only"  # OUT/pressure-only: the scenario names to run, one a line (scripts/protection-bench --only)
+LATENCY, SWAPPER = M.CLASS_PREFIX + "latency-critical", M.CLASS_PREFIX + "swap"
 
 
 def scenarios(mode: str) -> list[dict]:
@@ -65,7 +78,8 @@ def scenarios(mode: str) -> list[dict]:
         {"name": "pagecache-multi", "allocatable": allocatable, "timeout": 300, "pods": [
             M.Pod("multi", "a0000003", (G("cache", 192 * MI, 192 * MI, ("write", 100, 10, 20, passes)),
                                     G("anon", 128 * MI, 128 * MI, ("hog", 126, 0))), "writer")]},
-        {"name": "node-pressure", "allocatable": allocatable, "hold": 20 if quick else 30, "timeout": 240, "pods": [
+        {"name": "node-pressure", "allocatable": allocatable, "hold": 20 if quick else 30, "grow": 60, "timeout": 240,
+         "pods": [
             M.Pod("guaranteed", "b0000001", (G("app", 128 * MI, 128 * MI, holder),)),
             M.Pod("burstable", "b0000002", (G("app", 128 * MI, 256 * MI, holder),)),
             M.Pod("besteffort", "b0000003", (G("app", 0, 0, holder),)),
@@ -77,7 +91,45 @@ def scenarios(mode: str) -> list[dict]:
         {"name": f"gap-{name}", "allocatable": allocatable, "hold": 15, "timeout": 240, "pods": [
             M.Pod("guaranteed", f"c000000{i}", (G("app", 128 * MI, 128 * MI, holder),)),
             M.Pod("aggressor", f"c100000{i}", (G("app", req * MI, lim * MI, ("hog", lim + 32, 10)),), "aggressor")]}
-        for i, (name, req, lim) in enumerate((("wide", 32, 384), ("narrow", 240, 256)))])
+        for i, (name, req, lim) in enumerate((("wide", 32, 384), ("narrow", 240, 256)))]) + class_scenarios(mode)
+
+
+def class_scenarios(mode: str) -> list[dict]:
+    """The class scenarios (docs/protection.md, "Classes and swap"), each under none, the shim's
+    default class (the node's settings) and the class under test for the pods ``classed`` names.
+    The first without swap, the others (``swap``) after the zram device is on."""
+    quick = mode == "quick"
+    G = M.Box
+    holder = ("loop", 64, 2, 24, 0)
+    # idle 3 s after every pass: with swap, a working set that is not busy all the time is what
+    # reclaim takes first (anon to swap, files dropped) unless protection keeps it
+    anon_holder = ("loop", 96, 1, 16, 0, 3000)  # mostly anonymous: what swap can take from it
+    return [
+        # (a) an anonymous-memory grower past its memory.high (request 32, limit 256: 233.6 MiB with
+        # the factor 0.9) that wants 288, as fast as it can: the default class holds it at memory.high,
+        # the class without memory.high lets it through to memory.max like no QoS
+        {"name": "class-nothrottle", "allocatable": 640 * MI, "hold": 5 if quick else 15, "grow": 25 if quick else 40,
+         "timeout": 180, "sets": ("none", "shim", LATENCY), "classed": ("aggressor",), "pods": [
+             M.Pod("guaranteed", "d0000001", (G("app", 128 * MI, 128 * MI, holder),)),
+             M.Pod("aggressor", "d1000001", (G("app", 32 * MI, 256 * MI, ("hog", 288, 0)),), "aggressor")]},
+        # (b) with swap: a grower that wants 32 MiB more than its limit (request 64, limit 320; memory.high
+        # 294.4 MiB), as fast as it can, beside
+        # anon-heavy Guaranteed and Burstable holders, kubepods (480) short by about 70 MiB
+        {"name": "class-swap", "swap": True, "allocatable": 480 * MI, "hold": 10 if quick else 20,
+         "grow": 30, "timeout": 200, "sets": ("none", "shim", SWAPPER), "classed": ("aggressor",), "pods": [
+             M.Pod("guaranteed", "e0000001", (G("app", 128 * MI, 128 * MI, anon_holder),)),
+             M.Pod("burstable", "e0000002", (G("app", 128 * MI, 256 * MI, anon_holder),)),
+             M.Pod("aggressor", "e1000001", (G("app", 64 * MI, 320 * MI, ("hog", 352, 0)),), "aggressor")]},
+        # (c) node pressure with swap: anon-heavy idle holders of each QoS class (96 anon + 16 file)
+        # beside a BestEffort aggressor that keeps touching 400 MiB of anonymous memory (its pages as
+        # hot as it can keep them): kubepods (640) about 100 MiB short, more than all the holders' files
+        {"name": "node-pressure-swap", "swap": True, "allocatable": 640 * MI, "hold": 20 if quick else 30,
+         "timeout": 240, "sets": ("none", "shim") if quick else ("none", "shim", SWAPPER), "classed": ("*",), "pods": [
+             M.Pod("guaranteed", "f0000001", (G("app", 128 * MI, 128 * MI, anon_holder),)),
+             M.Pod("burstable", "f0000002", (G("app", 128 * MI, 256 * MI, anon_holder),)),
+             M.Pod("besteffort", "f0000003", (G("app", 0, 0, anon_holder),)),
+             M.Pod("aggressor", "f0000004", (G("app", 0, 0, ("loop", 400, 0, 0, 0)),), "aggressor")]},
+    ]
 
 
 class PressureScenario:
@@ -86,9 +138,11 @@ class PressureScenario:
         self.bin = args.images
         self.report = report
         self.name = "pressure"
+        self.out = args.out
         self.logs = os.path.join(args.out, "logs")
         self.mnt = os.path.join(RUN, "pressure")
         self.device = ""
+        self.swap = ""
         self.procs: list[subprocess.Popen] = []
         self.data = report.data.setdefault("pressure", {"mode": self.mode, "runs": []})
 
@@ -107,6 +161,27 @@ class PressureScenario:
             r = run(*cmd)
             if r.returncode != 0:
                 raise InfraError(f"{' '.join(cmd)}: {r.stderr.strip()[-300:]}")
+
+    def setup_swap(self) -> None:
+        """A zram swap device of SWAP_MIB (lzo-rle): the guest has no disk (its root is the host's
+        file system shared read-only), and zram needs no file system beside the page-cache one."""
+        def run(*cmd: str) -> subprocess.CompletedProcess:
+            return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+
+        p = run("modprobe", "zram", "num_devices=1")
+        if p.returncode != 0 or not os.path.exists("/sys/block/zram0"):
+            raise InfraError(f"no zram device: {p.stderr.strip()}")
+        with open("/sys/block/zram0/disksize", "w") as f:
+            f.write(f"{SWAP_MIB}M")
+        for cmd in (("mkswap", "/dev/zram0"), ("swapon", "/dev/zram0")):
+            r = run(*cmd)
+            if r.returncode != 0:
+                raise InfraError(f"{' '.join(cmd)}: {r.stderr.strip()[-300:]}")
+        self.swap = "/dev/zram0"
+        swappiness = open("/proc/sys/vm/swappiness").read().strip()
+        self.data["swap"] = {"device": "zram0", "mib": SWAP_MIB, "algorithm": open(
+            "/sys/block/zram0/comp_algorithm").read().strip(), "swappiness": swappiness}
+        log(f"pressure: swap on: zram0 {SWAP_MIB} MiB, vm.swappiness {swappiness}")
 
     # -- one run -------------------------------------------------------------------------------
     def build(self, pods: list[M.Pod], lay: M.Layout, limits: M.Layout) -> None:
@@ -140,8 +215,10 @@ class PressureScenario:
     def command(self, work: tuple, data_dir: str) -> list[str]:
         if work[0] == "hog":
             return [os.path.join(self.bin, "hog"), str(work[1]), str(work[2])]
-        kind, anon, files, file_mib, passes = work
-        return [os.path.join(self.bin, "pressure"), str(anon), str(files), str(file_mib), str(passes), data_dir, kind]
+        kind, anon, files, file_mib, passes = work[:5]
+        pause = [str(work[5])] if len(work) > 5 else []  # ms idle after every pass
+        return [os.path.join(self.bin, "pressure"), str(anon), str(files), str(file_mib), str(passes), data_dir,
+                kind] + pause
 
     def sample(self, pods: list[M.Pod], t0: float) -> dict:
         out = {"t": round(time.time() - t0, 3), "pods": {}}
@@ -151,6 +228,9 @@ class PressureScenario:
                 v = cg_read(p.path, f"memory.{key}")
                 d[key] = int(v) if v.isdigit() else v
             d["events"] = parse_events(cg_read(p.path, "memory.events"))
+            swap = cg_read(p.path, "memory.swap.current")
+            d["swap"] = int(swap) if swap.isdigit() else 0
+            d["psi"] = {k: int(v.get("total", 0)) for k, v in parse_pressure_full(cg_read(p.path, "memory.pressure")).items()}
             for b in p.boxes:  # the container with the lowest memory.high (the kubelet sets it there)
                 high = cg_read(f"{p.path}/{b.name}", "memory.high")
                 if high.isdigit() and int(high) < d.get("box_high", 1 << 62):
@@ -166,7 +246,7 @@ class PressureScenario:
     def run_one(self, spec: dict, set_name: str, capacity: int) -> tuple[dict, list[dict]]:
         pods = spec["pods"]
         node = M.node_facts(capacity, spec["allocatable"])
-        lay = M.values(set_name, pods, node)
+        lay = M.values(set_name, pods, node, spec.get("classed", ()))
         tag = f"{spec['name']}-{set_name}"
         log(f"pressure: {tag}: {M.describe(lay, pods)}")
         self.clean()
@@ -202,9 +282,9 @@ class PressureScenario:
                 for p in aggressors:
                     self.launch(p, tag, capacity, work)
                 # the hold begins once every aggressor is done growing, gone, or GROW seconds went by
-                grown = min(deadline, time.time() + GROW)
+                grown = min(deadline, time.time() + spec.get("grow", GROW))
                 while time.time() < grown and any(
-                        proc.poll() is None and "hog: done" not in open(lg).read()
+                        proc.poll() is None and not O.grown(open(lg).read())
                         for key, (proc, lg) in work.items() if key.split("/")[0] in {p.name for p in aggressors}):
                     time.sleep(0.5)
                 end = min(deadline, time.time() + spec["hold"])
@@ -261,6 +341,8 @@ class PressureScenario:
                 "refault_anon": O.delta(samples, p.name, "workingset_refault_anon", since),
                 "pgmajfault": O.delta(samples, p.name, "pgmajfault", since),
                 "at_high_s": O.at_high(samples, p.name, SAMPLE),
+                "stall_s": O.stall_s(samples, p.name, since), "swap_peak": O.peak(samples, p.name, "swap"),
+                "anon_before": O.stat_at(samples, p.name, "anon", since), "anon_end": O.stat_at(samples, p.name, "anon"),
                 "p50_ms": O.percentile(passes, 50), "p99_ms": O.percentile(passes, 99), "passes": len(passes),
             }
         return run
@@ -271,15 +353,25 @@ class PressureScenario:
         capacity = int(open("/proc/meminfo").readline().split()[1]) * 1024
         self.data["capacity"] = capacity
         results: dict[str, dict[str, tuple[dict, list[dict]]]] = {}
-        for spec in scenarios(self.mode):
-            for set_name in PODS_SET[self.mode]:
+        specs = scenarios(self.mode)
+        only = os.path.join(self.out, ONLY_FILE)  # scripts/protection-bench --only
+        if os.path.exists(only):
+            names = set(open(only).read().split())
+            specs = [s for s in specs if s["name"] in names]
+            self.data["only"] = sorted(names)
+        for spec in specs:
+            if spec.get("swap") and not self.swap:
+                self.setup_swap()
+            for set_name in spec.get("sets", PODS_SET[self.mode]):
                 run, samples = self.run_one(spec, set_name, capacity)
                 results.setdefault(spec["name"], {})[set_name] = (run, samples)
                 self.data["runs"].append(run)
                 self.report.save()
                 log(f"pressure: {run['scenario']} {run['set']}: {O.outcome(run)} in {run['duration_s']} s")
         self.checks(results)
-        self.data["table"] = O.table(self.data["runs"])
+        plain = [r for r in self.data["runs"] if not O.is_class(r)]
+        classed = [r for r in self.data["runs"] if O.is_class(r)]
+        self.data["table"] = "\n\n".join(([O.table(plain)] if plain else []) + ([O.class_table(classed)] if classed else []))
         self.data["summary"] = self.data["table"].splitlines()
 
     def checks(self, results: dict) -> None:
@@ -288,24 +380,48 @@ class PressureScenario:
             if base is None:
                 continue
             for set_name, (run, samples) in by_set.items():
-                if not set_name.startswith("shim"):  # the baseline itself, and the kubelet's values: the table says
+                if set_name in ("none", "kubelet"):  # the baseline itself, and the kubelet's values: the table says
                     continue
                 ok, exp, act = O.no_new_oom(base[0], run)
                 self.report.check(self.name, scenario, f"value set {set_name}: {run['values']}",
                                   "memory.events oom_kill of every pod", exp, act,
                                   "protection must not OOM-kill what runs without it", "cgroupfs", ok)
-            if scenario != "node-pressure" or "shim" not in by_set:
-                continue
-            run, samples = by_set["shim"]
-            for pod in ("guaranteed", "burstable"):
-                ok, exp, act = O.refaults_cut(base[0], run, pod)
-                self.report.check(self.name, scenario, f"{pod} holder under the shim's default values",
-                                  "memory.stat workingset_refault_file (from the aggressor's start)", exp, act,
-                                  "a protected holder keeps its file pages", "cgroupfs", ok)
-            ok, exp, act = O.reclaimed_first(samples, "besteffort", "burstable", run["pressure_t"])
-            self.report.check(self.name, scenario, "holders under the shim's default values",
-                              f"memory.stat file below {O.RECLAIMED:g} of its value when the aggressor started",
-                              exp, act, "BestEffort is reclaimed before Burstable", "cgroupfs", ok)
+            if scenario.startswith("node-pressure") and "shim" in by_set:
+                run, samples = by_set["shim"]
+                for pod in ("guaranteed", "burstable"):
+                    for kind in ("file", "anon") if scenario.endswith("-swap") else ("file",):
+                        ok, exp, act = O.refaults_cut(base[0], run, pod, kind=kind)
+                        self.report.check(self.name, scenario, f"{pod} holder under the shim's default values",
+                                          f"memory.stat workingset_refault_{kind} (from the aggressor's start)",
+                                          exp, act, "a protected holder keeps its pages", "cgroupfs", ok)
+                if scenario == "node-pressure":
+                    ok, exp, act = O.reclaimed_first(samples, "besteffort", "burstable", run["pressure_t"])
+                    self.report.check(self.name, scenario, "holders under the shim's default values",
+                                      f"memory.stat file below {O.RECLAIMED:g} of its value when the aggressor started",
+                                      exp, act, "BestEffort is reclaimed before Burstable", "cgroupfs", ok)
+            if scenario == "class-nothrottle" and LATENCY in by_set and "shim" in by_set:
+                ok, exp, act = O.throttled(by_set["shim"][0], "aggressor")
+                self.report.check(self.name, scenario, "the grower under the default class (the node's settings)",
+                                  "memory.events high", exp, act,
+                                  "the default class throttles it at memory.high (what the class is for)", "cgroupfs", ok)
+                run = by_set[LATENCY][0]
+                ok, exp, act = O.not_throttled(run, "aggressor")
+                self.report.check(self.name, scenario, f"the grower under {LATENCY}", "memory.events high",
+                                  exp, act, "a class without memory.high never throttles", "cgroupfs", ok)
+                ok, exp, act = O.same_oom(base[0], run, "aggressor")
+                self.report.check(self.name, scenario, f"the grower under {LATENCY}", "memory.events oom_kill",
+                                  exp, act, "OOM-killed at memory.max exactly as without QoS", "cgroupfs", ok)
+            if scenario == "class-swap" and SWAPPER in by_set:
+                run = by_set[SWAPPER][0]
+                ok, exp, act = O.kept_running(run, "aggressor")
+                self.report.check(self.name, scenario, f"the grower under {SWAPPER}",
+                                  "memory.events oom_kill, memory.swap.current", exp, act,
+                                  "past memory.high and memory.max it swaps and runs on", "cgroupfs", ok)
+                for pod in ("guaranteed", "burstable"):
+                    ok, exp, act = O.anon_resident(run, pod, RESIDENT)
+                    self.report.check(self.name, scenario, f"{pod} holder beside the grower under {SWAPPER}",
+                                      "memory.stat anon (the aggressor's start -> the end)", exp, act,
+                                      "memory.min / memory.low keep a neighbour's anon out of swap", "cgroupfs", ok)
 
     # -- cleanup -------------------------------------------------------------------------------
     def kill_all(self) -> None:
@@ -332,6 +448,8 @@ class PressureScenario:
 
     def teardown(self) -> None:
         self.clean()
+        if self.swap:
+            subprocess.run(["swapoff", self.swap], capture_output=True, timeout=300)
         if self.device:
             subprocess.run(["umount", self.mnt], capture_output=True)
 

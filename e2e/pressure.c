@@ -1,6 +1,6 @@
 /* pressure: the workload of the protection benchmark (e2e/guest_pressure.py).
  *
- *   pressure ANON_MIB NFILES FILE_MIB PASSES DIR MODE
+ *   pressure ANON_MIB NFILES FILE_MIB PASSES DIR MODE [PAUSE_MS]
  *
  * Maps ANON_MIB of anonymous memory (no transparent huge pages) and touches every page once,
  * then runs PASSES passes (0: until SIGTERM) over NFILES files of FILE_MIB each in DIR:
@@ -9,6 +9,9 @@
  *          page cache that must be reclaimed once the files do not fit beside the anon memory;
  *   loop   the files are written once; every pass touches every anon page and reads every
  *          file: a working set that refaults when its file pages were reclaimed.
+ *
+ * PAUSE_MS (default 0): a sleep after every pass, so that the working set goes idle between
+ * passes (a service that is not busy all the time: its pages age on the LRU).
  *
  * One line per pass on stdout, `pressure: pass 3 412.345 ms 1700000000.123` (pass number, its
  * duration on CLOCK_MONOTONIC, CLOCK_REALTIME at its end), and `pressure: done PASSES` at the
@@ -78,13 +81,13 @@ static int read_file(const char *path) {
 
 int main(int argc, char **argv) {
     struct sigaction sa;
-    unsigned long anon, nfiles, file_mib, passes, pass, i;
+    unsigned long anon, nfiles, file_mib, passes, pass, i, pause_ms = 0;
     volatile char *mem = NULL;
     char path[4096], line[160];
     int rewrite;
 
-    if (argc != 7) {
-        fprintf(stderr, "usage: pressure ANON_MIB NFILES FILE_MIB PASSES DIR write|loop\n");
+    if (argc != 7 && argc != 8) {
+        fprintf(stderr, "usage: pressure ANON_MIB NFILES FILE_MIB PASSES DIR write|loop [PAUSE_MS]\n");
         return 2;
     }
     anon = strtoul(argv[1], NULL, 10);
@@ -92,7 +95,10 @@ int main(int argc, char **argv) {
     file_mib = strtoul(argv[3], NULL, 10);
     passes = strtoul(argv[4], NULL, 10);
     rewrite = strcmp(argv[6], "write") == 0;
-    if (anon > 65536 || nfiles > 1000 || file_mib > 65536 || strlen(argv[5]) > 4000 ||
+    if (argc == 8) {
+        pause_ms = strtoul(argv[7], NULL, 10);
+    }
+    if (pause_ms > 600000 || anon > 65536 || nfiles > 1000 || file_mib > 65536 || strlen(argv[5]) > 4000 ||
         (!rewrite && strcmp(argv[6], "loop") != 0)) {
         fprintf(stderr, "pressure: bad arguments\n");
         return 2;
@@ -149,6 +155,10 @@ int main(int argc, char **argv) {
         snprintf(line, sizeof(line), "pressure: pass %lu %.3f ms %.3f\n", pass,
                  (now(CLOCK_MONOTONIC) - t0) * 1000.0, now(CLOCK_REALTIME));
         say(line);
+        if (pause_ms) {
+            struct timespec ts = {(time_t)(pause_ms / 1000), (long)(pause_ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+        }
     }
     snprintf(line, sizeof(line), "pressure: done %lu\n", passes);
     say(line);

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from shim.app.config_classes import parse_classes
+from shim.decision.classes import ContainerClass, ContainerSettings, apply_class, with_swap
 from shim.decision.facts import ContainerFacts, NodeFacts, Policy, PodFacts, QoSClass
 from shim.decision.memory import decide
 from shim.decision.node import PlacedPod, node_targets
@@ -22,6 +24,17 @@ PAUSE_MIB = 2  # what the sandbox's pause process holds (the kubelet's pause sib
 # value sets: no protection, a gate-on kubelet's, the shim's default policy, then each policy
 SETS = ("none", "kubelet", "shim", "shim-Soft", "shim-TieredReservation", "shim-None")
 SHIM_DEFAULT = Policy.HARD
+# The classes of the class scenarios, as the config file's key `classes` says them, read by the
+# shim's own parser (shim.app.config_classes): what a class changes comes from the shim's code.
+CLASSES_CONFIG = {
+    "latency-critical": {"factor": "none"},  # no memory.high: never throttled, OOM-killed at memory.max
+    "swap": {"swap": True},  # may swap where the kubelet leaves swap to the runtime
+}
+CLASS_PREFIX = "class:"  # a value set "class:NAME": the shim's values with NAME for the scenario's classed pods
+
+
+def classes() -> dict[str, ContainerClass]:
+    return {c.name: c for c in parse_classes(CLASSES_CONFIG) or ()}
 
 
 @dataclass(frozen=True)
@@ -152,10 +165,20 @@ def _lives(pod: Pod) -> list:
             for i, b in enumerate(pod.boxes)]
 
 
-def shim_values(pods: list[Pod], node: NodeFacts, policy: Policy) -> Layout:
+SHIM_KEYS = ("memory.min", "memory.low", "memory.high", "memory.swap.max")
+
+
+def shim_values(pods: list[Pod], node: NodeFacts, policy: Policy,
+                classed: dict[str, ContainerClass] | None = None) -> Layout:
     """What the shim writes under ``policy``: each container's unified memory.min / low / high
-    from ``decide`` (the kubelet's gate-on values are what it is sent, as CreateContainer
-    carries them), pod / QoS / kubepods memory.min / low from ``node_targets``."""
+    (and memory.swap.max where a swap class's ``with_swap`` adds one) from ``decide`` (the kubelet's gate-on
+    values are what it is sent, as CreateContainer carries them), pod / QoS / kubepods memory.min
+    / low from ``node_targets``. ``classed``: pod name -> the class its containers were created
+    with; their settings are ``apply_class``'s over the node's (a pod not named: the node's)."""
+    classed = classed or {}
+    if any(c.policy is not None and c.policy is not policy for c in classed.values()):
+        raise ValueError("a class that changes the policy changes the sums: not modelled here")
+    base = ContainerSettings(cls=None, node=node, policy=policy)
     lay = Layout()
     sent = kubelet_values(pods, node.allocatable)
     placed = []
@@ -165,9 +188,10 @@ def shim_values(pods: list[Pod], node: NodeFacts, policy: Policy) -> Layout:
         for b in pod.boxes:
             path = f"{pod.path}/{b.name}"
             unified = {k: v for k, v in sent.files.get(path, {}).items()}
-            d = decide(facts, ContainerFacts(name=b.name, limit=b.limit, oom_score_adj=oom_score_adj(
-                pod, b, node.capacity), unified=unified), node, policy)
-            for key in ("memory.min", "memory.low", "memory.high"):
+            settings = apply_class(classed.get(pod.name), base)
+            d = with_swap(decide(facts, ContainerFacts(name=b.name, limit=b.limit, oom_score_adj=oom_score_adj(
+                pod, b, node.capacity), unified=unified), settings.node, settings.policy), settings)
+            for key in SHIM_KEYS:
                 if key in d.unified_after:
                     lay.put(path, key, d.unified_after[key])
         lives = _lives(pod)
@@ -181,8 +205,17 @@ def shim_values(pods: list[Pod], node: NodeFacts, policy: Policy) -> Layout:
     return lay
 
 
-def values(name: str, pods: list[Pod], node: NodeFacts) -> Layout:
-    """The value set ``name`` (one of SETS) for these pods."""
+def values(name: str, pods: list[Pod], node: NodeFacts, classed: tuple[str, ...] = ()) -> Layout:
+    """The value set ``name`` (one of SETS, or "class:NAME") for these pods. "class:NAME": the
+    shim's default values with the class NAME for the pods ``classed`` names ("*": every pod),
+    every other pod with the node's settings (the default class)."""
+    if name.startswith(CLASS_PREFIX):
+        table = classes()
+        cls = name[len(CLASS_PREFIX):]
+        if cls not in table:
+            raise ValueError(f"unknown class {cls!r}")
+        who = {p.name for p in pods} if "*" in classed else set(classed)
+        return shim_values(pods, node, SHIM_DEFAULT, {p: table[cls] for p in who})
     if name == "none":
         return Layout()
     if name == "kubelet":
@@ -198,7 +231,7 @@ def describe(lay: Layout, pods: list[Pod]) -> str:
     """One line: the protection of each pod and container, in MiB (min/low/high; '-' unset)."""
     def mib(path: str, file: str) -> str:
         v = lay.get(path, file)
-        return "-" if v in ("", "0", "max") else f"{int(v) / MI:g}"
+        return "-" if v in ("", "0", "max") or not v.isdigit() else f"{int(v) / MI:g}"
 
     parts = [f"kubepods min {mib(KUBEPODS, 'memory.min')} low {mib(KUBEPODS, 'memory.low')}"]
     for pod in pods:

@@ -78,6 +78,31 @@ def at_high(samples: list[dict], pod: str, interval: float) -> float:
     return round(n * interval, 1)
 
 
+def stat_at(samples: list[dict], pod: str, key: str, since: float | None = None) -> int:
+    """A memory.stat counter of ``pod`` at the last sample at or before ``since`` (None: the last sample)."""
+    series = [s["pods"][pod]["stat"].get(key, 0) for s in samples if pod in s["pods"] and "stat" in s["pods"][pod]
+              and (since is None or s["t"] <= since)]
+    return series[-1] if series else 0
+
+
+def stall_s(samples: list[dict], pod: str, since: float = 0.0, kind: str = "full") -> float:
+    """Seconds the pod's tasks were stalled on memory (memory.pressure ``kind`` total) from the last
+    sample before ``since`` (or the first) to the last sample."""
+    series = [(s["t"], s["pods"][pod]["psi"].get(kind, 0)) for s in samples
+              if pod in s["pods"] and "psi" in s["pods"][pod]]
+    if not series:
+        return 0.0
+    before = [v for t, v in series if t <= since]
+    start = before[-1] if before else series[0][1]
+    return round(max(0, series[-1][1] - start) / 1e6, 1)
+
+
+def grown(log_text: str) -> bool:
+    """An aggressor is done growing: e2e/hog.c reached its target, or e2e/pressure.c touched all its
+    anonymous memory and wrote its files (loop mode: it keeps touching them from then on)."""
+    return "hog: done" in log_text or "pressure: files" in log_text
+
+
 def oom_killed(run: dict) -> set[str]:
     return {name for name, p in run["pods"].items() if p.get("oom_kill", 0) > 0}
 
@@ -90,11 +115,48 @@ def no_new_oom(baseline: dict, run: dict) -> tuple[bool, str, str]:
             f"killed {sorted(oom_killed(run)) or 'none'}" + (f"; new: {new}" if new else ""))
 
 
-def refaults_cut(baseline: dict, run: dict, pod: str, ratio: float = 0.1) -> tuple[bool, str, str]:
-    """A protected holder's file refaults under pressure are at most ``ratio`` of the baseline's."""
-    base = baseline["pods"][pod]["refault_file"]
-    got = run["pods"][pod]["refault_file"]
+def refaults_cut(baseline: dict, run: dict, pod: str, ratio: float = 0.1, kind: str = "file") -> tuple[bool, str, str]:
+    """A protected holder's refaults (``kind`` file or anon) under pressure are at most ``ratio`` of
+    the baseline's."""
+    base = baseline["pods"][pod].get(f"refault_{kind}", 0)
+    got = run["pods"][pod].get(f"refault_{kind}", 0)
     return got <= ratio * base, f"<= {ratio:g} x {base} (no protection)", str(got)
+
+
+def throttled(run: dict, pod: str) -> tuple[bool, str, str]:
+    """The pod was held at memory.high at least once (memory.events high)."""
+    n = run["pods"][pod].get("high_events", 0)
+    return n > 0, "> 0", str(n)
+
+
+def not_throttled(run: dict, pod: str) -> tuple[bool, str, str]:
+    """The pod was never held at memory.high (memory.events high 0)."""
+    n = run["pods"][pod].get("high_events", 0)
+    return n == 0, "0", str(n)
+
+
+def same_oom(baseline: dict, run: dict, pod: str) -> tuple[bool, str, str]:
+    """The pod is OOM-killed exactly when it is without protection."""
+    def said(r: dict) -> str:
+        return "OOM-killed" if r["pods"][pod].get("oom_kill", 0) > 0 else "not OOM-killed"
+    return said(run) == said(baseline), f"{said(baseline)} (as without QoS)", said(run)
+
+
+def kept_running(run: dict, pod: str) -> tuple[bool, str, str]:
+    """The pod was not OOM-killed, its processes still ran at the end, and it had pages in swap."""
+    p = run["pods"][pod]
+    alive = all(code is None for code in (p.get("exits") or {"?": 0}).values())
+    ok = p.get("oom_kill", 0) == 0 and alive and p.get("swap_peak", 0) > 0
+    return ok, "no OOM kill, running at the end, swap used > 0", (
+        f"oom_kill {p.get('oom_kill', 0)}, {'running' if alive else 'exited ' + str(p.get('exits'))}, "
+        f"swap peak {_mib(p.get('swap_peak', 0))} MiB")
+
+
+def anon_resident(run: dict, pod: str, share: float) -> tuple[bool, str, str]:
+    """The pod's anonymous memory at the end is at least ``share`` of what it was when the pressure began."""
+    p = run["pods"][pod]
+    before, end = p.get("anon_before", 0), p.get("anon_end", 0)
+    return before > 0 and end >= share * before, f">= {share:g} x {_mib(before)} MiB", f"{_mib(end)} MiB"
 
 
 def reclaimed_first(samples: list[dict], first: str, second: str, since: float) -> tuple[bool, str, str]:
@@ -148,10 +210,35 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def is_class(run: dict) -> bool:
+    """A run of a class or swap scenario (its own table)."""
+    return run["scenario"].startswith("class-") or run["scenario"].endswith("-swap")
+
+
+def class_table(runs: list[dict]) -> str:
+    """The class scenarios' table: a row per (scenario, value set, pod), with swap, stall seconds
+    (memory.pressure full) and file / anon refaults, from the aggressor's start."""
+    head = ("| scenario | values | outcome | s | pod | QoS | peak MiB | swap peak MiB | "
+            "pod min/low [container min/low/high] MiB | high events | stall s | refault file | refault anon | "
+            "anon MiB start/end |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for run in runs:
+        for i, (name, p) in enumerate(run["pods"].items()):
+            lead = (f"| {run['scenario']} | {run['set']} | {outcome(run)} | {run.get('duration_s', 0):.1f} |"
+                    if i == 0 else "| | | | |")
+            prot = next((seg[len(name) + 1:] for seg in run.get("values", "").split("; ") if seg.startswith(name + " ")),
+                        "-")
+            lines.append(f"{lead} {name} | {p.get('qos', '')} | {_mib(p.get('peak'))} | {_mib(p.get('swap_peak', 0))} | "
+                         f"{prot} | {p.get('high_events', 0)} | {p.get('stall_s', 0):g} | {p.get('refault_file', 0)} | "
+                         f"{p.get('refault_anon', 0)} | {_mib(p.get('anon_before', 0))}/{_mib(p.get('anon_end', 0))} |")
+    return "\n".join(lines)
+
+
 def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
     """One PNG for a scenario: a column per value set; top memory.current of every pod over time
-    with its memory.min / low / high as dashed / dotted / dash-dot lines and OOM kills marked, bottom
-    the pods' cumulative file refaults."""
+    with its memory.min / low / high as dashed / dotted / dash-dot lines, its pages in swap as a wide
+    light line and OOM kills marked, bottom the pods' cumulative file (and anon) refaults and, on the
+    right axis, their cumulative memory stall seconds (PSI full)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.2 * max(1, len(runs)), 7), dpi=80)
@@ -159,6 +246,7 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
     colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for col, (run, samples) in enumerate(runs):
         top, bottom = axes[0][col], axes[1][col]
+        stall_ax = None
         top.set_title(f"{run['set']}: {outcome(run)}"[:60], fontsize=8)
         for i, pod in enumerate(run["pods"]):
             c = colours[i % len(colours)]
@@ -172,8 +260,20 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
                 if any(isinstance(x, int) and x > 0 for x in vals):
                     top.plot(ts, [(x or 0) / MI if isinstance(x, int) else float("nan") for x in vals],
                              color=c, linestyle=style, linewidth=0.8)
-            base = pts[0][1].get("stat", {}).get("workingset_refault_file", 0)
-            bottom.plot(ts, [v.get("stat", {}).get("workingset_refault_file", 0) - base for _, v in pts], color=c)
+            for key, style in (("workingset_refault_file", "-"), ("workingset_refault_anon", "--")):
+                base = pts[0][1].get("stat", {}).get(key, 0)
+                series = [v.get("stat", {}).get(key, 0) - base for _, v in pts]
+                if key.endswith("file") or any(series):
+                    bottom.plot(ts, series, color=c, linestyle=style)
+            if any(v.get("swap", 0) for _, v in pts):  # pages in swap: a light wide line
+                top.plot(ts, [v.get("swap", 0) / MI for _, v in pts], color=c, linewidth=3, alpha=0.3)
+            if any(v.get("psi") for _, v in pts):  # stall seconds (memory.pressure full), right axis
+                if stall_ax is None:
+                    stall_ax = bottom.twinx()
+                    stall_ax.set_ylabel("stalled s (PSI full) ..", fontsize=7)
+                first = pts[0][1].get("psi", {}).get("full", 0)
+                stall_ax.plot(ts, [(v.get("psi", {}).get("full", first) - first) / 1e6 for _, v in pts], color=c,
+                              linestyle=":")
             kills = [t for (t, v), (_, w) in zip(pts[1:], pts[:-1])
                      if v.get("events", {}).get("oom_kill", 0) > w.get("events", {}).get("oom_kill", 0)]
             for t in kills:
@@ -182,8 +282,8 @@ def plot(scenario: str, runs: list[tuple[dict, list[dict]]], path: str) -> None:
         if run.get("pressure_t") is not None:
             for ax in (top, bottom):
                 ax.axvline(run["pressure_t"], color="grey", linewidth=0.6, linestyle=":")
-        top.set_ylabel("memory.current MiB (min -- low .. high -.)", fontsize=7)
-        bottom.set_ylabel("file refaults (pages)", fontsize=7)
+        top.set_ylabel("memory.current MiB (min -- low .. high -.; swap: wide, light)", fontsize=7)
+        bottom.set_ylabel("refaults, pages (file -, anon --)", fontsize=7)
         bottom.set_xlabel("s", fontsize=7)
         top.legend(fontsize=6, loc="lower right")
     fig.suptitle(scenario, fontsize=10)
@@ -214,7 +314,11 @@ def render(out: str, png_dir: str) -> str:
         by_scenario.setdefault(run["scenario"], []).append((run, samples))
     for scenario, pairs in by_scenario.items():
         plot(scenario, pairs, os.path.join(png_dir, f"protection-{scenario}.png"))
-    return table(runs)
+    plain, classed = [r for r in runs if not is_class(r)], [r for r in runs if is_class(r)]
+    parts = [table(plain)] if plain else []
+    if classed:
+        parts.append(class_table(classed))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":
