@@ -1,6 +1,8 @@
 """Decision tables from docs/memory-qos.md, plus properties."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -179,9 +181,9 @@ CAP = 2060419072
 
 
 def test_request_source_order():
-    pod = PodFacts(cgroup_parent="/kubepods/burstable/pod0ab", annotations={"memqos.io/requests": '{"main": "48Mi"}'})
+    pod = PodFacts(cgroup_parent="/kubepods/burstable/pod0ab", annotations={"memqos.io/requests": '{"main": "24Mi"}'})
     c = ContainerFacts(name="main", limit=128 * Mi, oom_score_adj=984, unified={"memory.min": str(32 * Mi)})
-    assert resolve_request(pod, c, QoSClass.BURSTABLE, CAP) == Request(48 * Mi, RequestSource.ANNOTATION)
+    assert resolve_request(pod, c, QoSClass.BURSTABLE, CAP) == Request(24 * Mi, RequestSource.ANNOTATION)
     r = resolve_request(BURSTABLE, c, QoSClass.BURSTABLE, CAP)
     assert (r.bytes, r.source) == (32 * Mi, RequestSource.KUBELET_UNIFIED)
     c2 = ContainerFacts(name="main", limit=128 * Mi, oom_score_adj=984)
@@ -190,6 +192,29 @@ def test_request_source_order():
     c3 = ContainerFacts(name="main", limit=64 * Mi, oom_score_adj=-997)
     assert resolve_request(GUARANTEED, c3, QoSClass.GUARANTEED, CAP).source is RequestSource.GUARANTEED_LIMIT
     assert resolve_request(BURSTABLE, ContainerFacts(oom_score_adj=-998), QoSClass.BURSTABLE, CAP).source is RequestSource.NONE
+
+
+def test_annotation_above_the_kubelets_request_is_ignored():
+    """The annotation is the pod's own input: above the request the kubelet sent it buys nothing."""
+    pod = PodFacts(cgroup_parent="/kubepods/burstable/pod0ab", annotations={"memqos.io/requests": '{"main": "48Mi"}'})
+    c = ContainerFacts(name="main", limit=128 * Mi, oom_score_adj=984, unified={"memory.min": str(32 * Mi)})
+    r = resolve_request(pod, c, QoSClass.BURSTABLE, CAP)
+    assert (r.bytes, r.source) == (32 * Mi, RequestSource.KUBELET_UNIFIED)
+    assert f"ignored: {48 * Mi} is above the kubelet's request {32 * Mi}" in r.note
+
+
+def test_annotation_beyond_what_oom_score_adj_allows_is_ignored():
+    """adj 984 is a request in [16, 17) thousandths of the capacity: 48Mi claims more, the lower
+    bound is taken; a claim inside the range is kept."""
+    high = -(-17 * CAP // 1000)
+    c = ContainerFacts(name="main", limit=128 * Mi, oom_score_adj=984)
+    claim = PodFacts(cgroup_parent="/kubepods/burstable/pod0ab", annotations={"memqos.io/requests": '{"main": "48Mi"}'})
+    r = resolve_request(claim, c, QoSClass.BURSTABLE, CAP)
+    assert (r.bytes, r.source) == (-(-16 * CAP // 1000), RequestSource.OOM_SCORE_ADJ)
+    assert f"ignored: {48 * Mi} is not below {high}" in r.note
+    inside = PodFacts(cgroup_parent="/kubepods/burstable/pod0ab",
+                      annotations={"memqos.io/requests": json.dumps({"main": str(high - 1)})})
+    assert resolve_request(inside, c, QoSClass.BURSTABLE, CAP) == Request(high - 1, RequestSource.ANNOTATION)
 
 
 @pytest.mark.parametrize(

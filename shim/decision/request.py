@@ -84,18 +84,42 @@ def oom_score_adj_bounds(adj: int, capacity: int) -> tuple[int, int | None] | No
     return low, high
 
 
+def _within_evidence(claimed: int, unified: int | None, qos: QoSClass, container: ContainerFacts,
+                     capacity: int, notes: list[str]) -> int | None:
+    """The pod annotation's request, or None when what the kubelet itself sent says the request is
+    lower: the annotation is the pod's own (tenant) input and never buys more protection than the
+    request (docs/decisions.md, "Where the request comes from"). Evidence: the kubelet's memory.min /
+    memory.low (its request), else a Burstable container's oom_score_adj, which the kubelet derives
+    from the request (request < the range's upper end). A claim at or below the evidence is kept."""
+    where = f"{REQUESTS_ANNOTATION}[{container.name!r}]"
+    if unified is not None:
+        if claimed > unified:
+            notes.append(f"{where} ignored: {claimed} is above the kubelet's request {unified}")
+            return None
+        return claimed
+    if qos is QoSClass.BURSTABLE:
+        bounds = oom_score_adj_bounds(container.oom_score_adj, capacity)
+        if bounds is not None and bounds[1] is not None and claimed >= bounds[1]:
+            notes.append(f"{where} ignored: {claimed} is not below {bounds[1]}, the most "
+                         f"oom_score_adj {container.oom_score_adj} allows")
+            return None
+    return claimed
+
+
 def resolve_request(
     pod: PodFacts, container: ContainerFacts, qos: QoSClass, capacity: int
 ) -> Request:
     notes: list[str] = []
     if qos is QoSClass.BESTEFFORT:
         return Request(0, RequestSource.NONE, "BestEffort pods have no requests")
-    value = _from_annotation(pod, container, notes)
-    if value is not None:
-        return Request(value, RequestSource.ANNOTATION, "; ".join(notes))
-    value = _from_unified(container, notes)
-    if value is not None:
-        return Request(value, RequestSource.KUBELET_UNIFIED, "; ".join(notes))
+    claimed = _from_annotation(pod, container, notes)
+    unified = _from_unified(container, notes)
+    if claimed is not None:
+        claimed = _within_evidence(claimed, unified, qos, container, capacity, notes)
+    if claimed is not None:
+        return Request(claimed, RequestSource.ANNOTATION, "; ".join(notes))
+    if unified is not None:
+        return Request(unified, RequestSource.KUBELET_UNIFIED, "; ".join(notes))
     if qos is QoSClass.GUARANTEED:
         if container.limit > 0:
             return Request(container.limit, RequestSource.GUARANTEED_LIMIT, "; ".join(notes))
