@@ -192,6 +192,17 @@ def outcome(run: dict) -> str:
     return "; ".join(parts)
 
 
+def _lead(run: dict) -> str:
+    """A run's first cells: scenario, value set, outcome, seconds."""
+    return f"| {run['scenario']} | {run['set']} | {outcome(run)} | {run.get('duration_s', 0):.1f} |"
+
+
+def _values_of(run: dict, pod: str, fallback: str) -> str:
+    """The pod's part of the run's values line ("NAME min/low ..."), or ``fallback``."""
+    return next((seg[len(pod) + 1:] for seg in run.get("values", "").split("; ") if seg.startswith(pod + " ")),
+                fallback)
+
+
 def table(runs: list[dict]) -> str:
     """One markdown table: a row per (scenario, value set, pod)."""
     head = ("| scenario | values | outcome | s | pod | QoS | peak MiB | pod min/low [container min/low/high] MiB | "
@@ -200,10 +211,8 @@ def table(runs: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         for i, (name, p) in enumerate(run["pods"].items()):
-            lead = (f"| {run['scenario']} | {run['set']} | {outcome(run)} | {run.get('duration_s', 0):.1f} |"
-                    if i == 0 else "| | | | |")
-            prot = next((seg[len(name) + 1:] for seg in run.get("values", "").split("; ") if seg.startswith(name + " ")),
-                        "/".join(_mib(p.get(k)) if p.get(k) else "-" for k in ("min", "low", "high")))
+            lead = _lead(run) if i == 0 else "| | | | |"
+            prot = _values_of(run, name, "/".join(_mib(p.get(k)) if p.get(k) else "-" for k in ("min", "low", "high")))
             lines.append(f"{lead} {name} | {p.get('qos', '')} | {_mib(p.get('peak'))} | {prot} | "
                          f"{p.get('max_events', 0)} | {p.get('refault_file', 0)} | {p.get('refault_anon', 0)} | "
                          f"{p.get('pgmajfault', 0)} | {_ms(p.get('p50_ms'))}/{_ms(p.get('p99_ms'))} |")
@@ -224,10 +233,8 @@ def class_table(runs: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         for i, (name, p) in enumerate(run["pods"].items()):
-            lead = (f"| {run['scenario']} | {run['set']} | {outcome(run)} | {run.get('duration_s', 0):.1f} |"
-                    if i == 0 else "| | | | |")
-            prot = next((seg[len(name) + 1:] for seg in run.get("values", "").split("; ") if seg.startswith(name + " ")),
-                        "-")
+            lead = _lead(run) if i == 0 else "| | | | |"
+            prot = _values_of(run, name, "-")
             lines.append(f"{lead} {name} | {p.get('qos', '')} | {_mib(p.get('peak'))} | {_mib(p.get('swap_peak', 0))} | "
                          f"{prot} | {p.get('high_events', 0)} | {p.get('stall_s', 0):g} | {p.get('refault_file', 0)} | "
                          f"{p.get('refault_anon', 0)} | {_mib(p.get('anon_before', 0))}/{_mib(p.get('anon_end', 0))} |")
