@@ -175,6 +175,7 @@ class ClassesScenario:
         self.cri: Cri | None = None
         self.direct = Cri(CONTAINERD_SOCK)
         self.plugin = None
+        self.leftover = 0  # pods of the proxy part still there in the NRI part
         self.device = ""
         self.pods: dict[str, Live] = {}
         self.proxy_values: dict[str, str] = {}
@@ -323,9 +324,13 @@ class ClassesScenario:
             wanted.append((live.parent, X.kernel_reads(v, page), f"pod {name}",
                            "sum of its protected containers' requests" + (f" ({left} of class unprotected left out)"
                                                                           if left else "")))
-        wanted.append(("/kubepods/burstable", X.kernel_reads(total, page), "burstable QoS cgroup",
-                       f"sum of the pods' protected requests = {total}"))
-        wanted.append(("/kubepods", X.kernel_reads(total, page), "kubepods", "Burstable sum (no Guaranteed pod)"))
+        if self.leftover:
+            self.report.skip(SCN, f"{step}: burstable / kubepods memory.min", f"{self.leftover} pod(s) of the proxy "
+                             "part outlived their removal (docs/testing.md, \"Stack matrix\"): the sums hold them too")
+        else:
+            wanted.append(("/kubepods/burstable", X.kernel_reads(total, page), "burstable QoS cgroup",
+                           f"sum of the pods' protected requests = {total}"))
+            wanted.append(("/kubepods", X.kernel_reads(total, page), "kubepods", "Burstable sum (no Guaranteed pod)"))
         deadline = time.time() + (self.args.settle if settle is None else settle)
         while True:
             actual = [cg_read(p, "memory.min") for p, *_ in wanted]
@@ -438,6 +443,9 @@ class ClassesScenario:
         self.cri = None
         self.shim.kill(signal.SIGTERM)
         self.remove_pods()
+        from shim.cri import api_pb2 as pb
+
+        self.leftover = len(self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items)
         audit = os.path.join(self.logs, "classes-nri-audit.jsonl")
         path = os.path.join(self.logs, f"{SCN}-config.yaml")  # the proxy's config file, as written
         args = ["nri", "--nri-socket", "/var/run/nri/nri.sock", "--kubelet-config", self.kubelet_config,
