@@ -165,3 +165,48 @@ def test_the_class_remembered_at_creation():
     assert remembered(table, "gone").refused == UNKNOWN_CLASS and remembered(table, "gone").name is None
     assert remembered(table, "batch", "tenant").refused == NAMESPACE_NOT_ALLOWED
     assert remembered(table, 7).refused == MALFORMED
+
+
+def _json_form(value):
+    """A value as JSON types: a dataclass as an object of its fields, an enum as its value, a tuple
+    as a list (how a recording's header holds a setting)."""
+    import dataclasses
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value):
+        return {f.name: _json_form(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_json_form(v) for v in value]
+    return value
+
+
+def test_the_parsers_take_back_the_json_form_of_their_own_result(tmp_path):
+    import json
+
+    from shim.app.config_classes import DECISION_SETTINGS, parse_classes, parse_namespace_classes
+
+    cfg = load(tmp_path, CONFIG)
+    for parse, value in ((parse_classes, cfg.classes), (parse_namespace_classes, cfg.namespace_classes)):
+        assert parse(json.loads(json.dumps(_json_form(value)))) == value
+        assert parse(None) is None
+    assert DECISION_SETTINGS == ("classes", "namespace-classes")
+
+
+def test_the_documented_examples_load(tmp_path):
+    """The YAML of docs/configuration.md's and docs/memory-qos.md's class sections, and the
+    commented class block of deploy/config.yaml uncommented, are valid configurations."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc, heading in (("configuration.md", "## Classes and namespace-classes"), ("memory-qos.md", "## 7. Classes")):
+        text = (root / "docs" / doc).read_text(encoding="utf-8").split(heading, 1)[1]
+        block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+        table = class_table(load(tmp_path, block))
+        assert table and table.allowed("default", "latency-critical")
+    deploy = (root / "deploy" / "config.yaml").read_text(encoding="utf-8")
+    block = deploy.split("# classes:", 1)[1]
+    uncommented = "classes:" + "\n".join(line[2:] if line.startswith("# ") else line for line in block.splitlines())
+    assert sorted(class_table(load(tmp_path, uncommented)).classes) == ["batch", "latency-critical"]

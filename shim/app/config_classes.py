@@ -25,8 +25,13 @@ from shim.decision.classes import (
     valid_name,
 )
 
-# The settings that change a decision: a recording's header keeps them and replay honours them.
+# The settings of this module that change a decision: a recording's header keeps them and replay
+# applies them. Each parser also takes back the JSON form of its own result (a dataclass as an
+# object of its fields, a tuple as a list), which is how a recording's header holds them.
 DECISION_SETTINGS = ("classes", "namespace-classes")
+_FIELD_KEYS = {"policy": "policy", "headroom_ratio": "protection-headroom-ratio",
+               "headroom_min": "protection-headroom-min", "guard_action": "guard-action", "reclaim": "reclaim",
+               "swap": "swap"}
 
 MAX_CLASSES = 64  # classes a node may define
 MAX_NAMESPACES = 4096  # namespaces namespace-classes may name
@@ -54,10 +59,25 @@ def _name(v: Any, what: str) -> str:
     return v
 
 
+def _from_fields(items: list) -> dict[str, Any]:
+    """The JSON form of a parsed ``classes`` (a list of ContainerClass field objects) as the file's map."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"expected a map of class name -> settings, not a list holding {item!r:.80}")
+        settings = {key: item[f] for f, key in _FIELD_KEYS.items() if item.get(f) is not None}
+        if item.get("factor_set"):
+            settings["factor"] = "none" if item.get("factor") is None else item["factor"]
+        out[item["name"]] = settings
+    return out
+
+
 def parse_classes(v: Any) -> tuple[ContainerClass, ...] | None:
     """The ``classes`` map as a tuple of ContainerClass (sorted by name); None for an empty key."""
     if v is None:
         return None
+    if isinstance(v, list):
+        v = _from_fields(v)
     if not isinstance(v, dict):
         raise ConfigError(f"expected a map of class name -> settings, not {type(v).__name__}")
     if len(v) > MAX_CLASSES:
@@ -92,6 +112,8 @@ def parse_namespace_classes(v: Any) -> tuple[tuple[str, tuple[str, ...]], ...] |
     """The ``namespace-classes`` map as (namespace, class names) pairs; None for an empty key."""
     if v is None:
         return None
+    if isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):  # the JSON form of the result
+        v = {p[0]: p[1] for p in v}
     if not isinstance(v, dict):
         raise ConfigError(f"expected a map of namespace -> list of class names, not {type(v).__name__}")
     if len(v) > MAX_NAMESPACES:
@@ -128,3 +150,15 @@ def checked(cfg: Any) -> Any:
             raise ConfigError(f"{cfg.setting('namespace-classes')}: namespace {ns!r} lists {missing}, which "
                               f"classes does not define (defined: {sorted(defined)})")
     return cfg
+
+
+def class_options(cfg: Any) -> dict[str, Any]:
+    """The rewriter's (and the NRI handler's) class keyword arguments from a Config: the class
+    table and the node's guard action and reclaim, which a class's own override."""
+    return {"classes": class_table(cfg), "guard_action": cfg.guard_action, "reclaim": cfg.reclaim}
+
+
+def unprotected_classes(settings: Any) -> frozenset[str]:
+    """The classes whose containers are not protected (their policy None over the node's): they
+    count 0 in the reconciler's pod / QoS / kubepods sums."""
+    return frozenset(name for name, s in settings.items() if name is not None and not s.protects)

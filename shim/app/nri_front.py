@@ -22,6 +22,7 @@ import logging
 import threading
 
 from shim.app.config import Config
+from shim.app.config_classes import class_options, unprotected_classes
 from shim.app.service import (Service, kubelet_ownership, log_ownership, protobuf_backend, read_node, say_mode,
                                start_audit)
 from shim.container.nri_handler import NriMemoryQoS
@@ -126,7 +127,9 @@ class NriService(Service):
         handler = NriMemoryQoS(node, cfg.policy, audit.emit, ownership=owners, enabled=v2, disabled_reason=reason,
                                enqueue=reconciler.submit if reconciler is not None else None,
                                rebuild=listing_rebuild(capacity) if reconciler is not None else None,
-                               rollout=rollout, confirmer=confirmer)
+                               rollout=rollout, confirmer=confirmer, **class_options(cfg))
+        if reconciler is not None:
+            reconciler.state.unprotected = unprotected_classes(handler.class_settings)
         # the monitor (guard, reclaim) and the metrics are built in start(), off the loop, once the
         # plugin is on its way to registering: registration does not need their imports
         return cls(cfg, node, kubelet, audit, handler, reconciler=reconciler, version_pending=pending,

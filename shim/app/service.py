@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from shim.app.config import Config
+from shim.app.config_classes import class_options, unprotected_classes
 from shim.container.chain import CallFinisher, build_request_hooks
 from shim.container.rewriter import ContainerMemoryQoS
 from shim.cri.methods import CRI_METHODS
@@ -22,14 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def build_container_qos(node, policy, emit, *, cgroup_v2: bool = True, cgroup_root: str = "",
-                        ownership=None, rollout: Rollout | None = None) -> ContainerMemoryQoS:
+                        ownership=None, rollout: Rollout | None = None, **classes) -> ContainerMemoryQoS:
     """The CreateContainer / UpdateContainerResources rewriter exactly as `serve` builds it
     (`memqos-shim replay` builds its request path with this too). ``ownership``
     (shim.node.kubelet.Ownership): the unified keys the kubelet owns are forwarded unchanged.
-    ``rollout``: enforce or observe (shim.effects.rollout), shared with the cgroup writers."""
+    ``rollout``: enforce or observe (shim.effects.rollout), shared with the cgroup writers.
+    ``classes``: ``classes`` (a ClassTable), ``guard_action`` and ``reclaim``, as
+    ``class_options(cfg)`` makes them (none: the node's settings for every container)."""
     reason = "" if cgroup_v2 else f"{cgroup_root}/cgroup.controllers not found (not cgroup v2; runc would reject unified)"
     return ContainerMemoryQoS(node, policy, emit, enabled=cgroup_v2, disabled_reason=reason, ownership=ownership,
-                              rollout=rollout)
+                              rollout=rollout, **classes)
 
 
 VERSION_PENDING = "auto: not known yet, `kubelet --version` runs in the background"
@@ -166,7 +169,7 @@ class Service:
         writes, owners, version_how, pending = kubelet_ownership(cfg, kubelet)
         rollout = Rollout(cfg.mode)
         qos = build_container_qos(node, cfg.policy, audit.emit, cgroup_v2=v2, cgroup_root=cfg.cgroup_root,
-                                  ownership=owners, rollout=rollout)
+                                  ownership=owners, rollout=rollout, **class_options(cfg))
         backend = protobuf_backend()
         if backend != "upb":
             log.warning("protobuf backend is %r, not upb: each rewrite costs ~1 ms instead of ~10 us", backend)
@@ -207,6 +210,9 @@ class Service:
         from shim.node.reconciler import build_reconciler
 
         reconciler = build_reconciler(cfg, kubelet, node, audit.emit, ownership=owners, rollout=rollout)
+        if reconciler is not None:
+            reconciler.state.unprotected = unprotected_classes(qos.class_settings)
+            qos.recorded_class = lambda cid: reconciler.view.classes.get(cid)
         from shim.guard.monitor import build_monitor
 
         monitor = build_monitor(cfg, kubelet, audit.emit, container_qos=qos, reconciler=reconciler,
@@ -296,7 +302,7 @@ class Service:
         owns what and hand it to the rewriter (from its next call), the reconciler (recomputed
         on its thread), the guard and the recorder's next file; audit what changed."""
         from shim.node.kubelet import CONTAINER_HIGH
-        from shim.guard.monitor import guard_for_ownership
+        from shim.guard.monitor import guard_for_ownership, kubelet_owns_high
 
         before = self.container_qos.ownership
         writes, owners, _, _ = kubelet_ownership(self.cfg, self.kubelet, version, nri=self.nri)
@@ -308,6 +314,7 @@ class Service:
             self.reconciler.set_ownership(owners, "kubelet version known")
         if self.monitor is not None and CONTAINER_HIGH in changed:
             self.monitor.guard = guard_for_ownership(self.cfg, owners)
+            self.monitor.kubelet_high = kubelet_owns_high(owners)
         if self.recorder is not None:  # the files after the next rotation say it
             header = self.recorder.header
             self.recorder.header = {**header, "shim": {**header.get("shim", {}), "kubelet_version": "%d.%d" % version}}

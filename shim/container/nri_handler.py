@@ -33,6 +33,7 @@ from shim.container.nri_confirm import Expected
 from shim.container.rewriter import ContainerMemoryQoS, KnownContainer, container_note
 from shim.decision import OWNED_KEYS, Decision, NodeFacts, Policy, QoSClass, Request, RequestSource, decide
 from shim.decision.memory import NEUTRAL, kernel_values
+from shim.decision.classes import NO_CLASS, remembered, with_swap
 from shim.decision.pod import CONTAINER_ANNOTATION, parse_annotation
 from shim.effects.rollout import Rollout, tag
 from shim.nri import api_pb2 as pb
@@ -83,14 +84,16 @@ class NriMemoryQoS(Handler):
     def __init__(self, node: NodeFacts, policy: Policy, emit: Callable[[dict], None], *,
                  enqueue: Callable[[Any], None] | None = None, ownership=None, enabled: bool = True,
                  disabled_reason: str = "", rebuild: Callable[[list], Any] | None = None,
-                 clock: Callable[[], int] = time.time_ns, rollout: Rollout | None = None, confirmer=None):
+                 clock: Callable[[], int] = time.time_ns, rollout: Rollout | None = None, confirmer=None,
+                 **classes: Any):
         # while a runtime call is answered: what goes to the side threads (audit records, node
         # events, confirmations), handed over once the reply is written (``replied``), so no
         # thread wakes up to compete with the reply for the interpreter
         self._after: list[Callable[[], Any]] | None = None
         # the decision and its audit record are the rewriter's, as they are in proxy mode
+        # (``classes``: the rewriter's classes, guard_action and reclaim)
         self.qos = ContainerMemoryQoS(node, policy, self._emit, enabled=enabled, disabled_reason=disabled_reason,
-                                      ownership=ownership, rollout=rollout)
+                                      ownership=ownership, rollout=rollout, **classes)
         self.rollout = self.qos.rollout
         self._emit_now = emit
         self._enqueue = enqueue
@@ -109,6 +112,11 @@ class NriMemoryQoS(Handler):
     @property
     def ownership(self):
         return self.qos.ownership
+
+    @property
+    def class_settings(self):
+        """Every class's settings over the node's (the rewriter's)."""
+        return self.qos.class_settings
 
     def set_ownership(self, ownership) -> None:
         self.qos.set_ownership(ownership)
@@ -165,11 +173,12 @@ class NriMemoryQoS(Handler):
             qos.rewrite_disabled()
             return None, unified, annotations, (facts, kubelet)
         owns = qos.kubelet_keys
-        decision = decide(facts, kubelet, qos.node, qos.policy, kubelet_owns=owns)
+        choice, settings = qos.choose(facts, container.name)
+        decision = with_swap(decide(facts, kubelet, settings.node, settings.policy, kubelet_owns=owns), settings)
         keys = adjustment_keys(decision, owns)
         kept = keep_in_force(keys, in_force) if in_force else {}
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
-                              facts.cgroup_parent)
+                              facts.cgroup_parent, choice.name)
         adjust = pb.ContainerAdjustment()
         if keys:
             target = adjust.linux.resources.unified
@@ -180,8 +189,8 @@ class NriMemoryQoS(Handler):
         self.containers[container.id] = KnownContainer(container.pod_sandbox_id or pod.id, container.name, facts,
                                                        decision.qos, decision.request,
                                                        MappingProxyType(kernel_values(decision, owns)),
-                                                       max(0, decision.limit))
-        self._emit(tag({**self._base(method, pod, container), **qos.describe(decision, owns),
+                                                       max(0, decision.limit), choice.name)
+        self._emit(tag({**self._base(method, pod, container), **qos.describe(decision, owns, None, settings, choice),
                         "event": "rewrite" if keys else "unchanged", "adjust": keys,
                         **({"kept_in_force": kept} if kept else {}),
                         **({"handler_us": (self._clock() - start) // 1000} if start is not None else {})},
@@ -228,14 +237,20 @@ class NriMemoryQoS(Handler):
             else:
                 override = known.request
         owns = qos.kubelet_keys
-        decision = decide(nf.pod_facts(pod, container), facts, qos.node, qos.policy, override, reset_absent=True,
-                          kubelet_owns=owns)
+        pod_facts = nf.pod_facts(pod, container)
+        if known is not None:
+            choice, settings = qos.settings_of(known)
+        else:  # not seen created (the plugin restarted): the class our annotation recorded, if any
+            choice, settings = self._recorded_class(container.annotations, pod_facts.namespace)
+        decision = with_swap(decide(pod_facts, facts, settings.node, settings.policy, override, reset_absent=True,
+                                    kubelet_owns=owns), settings)
         keys = adjustment_keys(decision, owns)
         if known is not None and not observe:
             # what the cgroup is to hold once the runtime applied it
             self.containers[container.id] = known._replace(unified=MappingProxyType(kernel_values(decision, owns)),
                                                            limit=max(0, facts.limit))
-        self._emit(tag({**self._base("UpdateContainer", pod, container), **qos.describe(decision, owns),
+        self._emit(tag({**self._base("UpdateContainer", pod, container),
+                        **qos.describe(decision, owns, None, settings, choice),
                         "event": "rewrite" if keys else "unchanged", "adjust": keys,
                         **({"request_remembered": True} if known is not None and override is known.request else {})},
                        observe))
@@ -321,8 +336,26 @@ class NriMemoryQoS(Handler):
             source, qos = RequestSource(note.get("source", "")), QoSClass(note.get("qos", ""))
         except ValueError:
             return
-        self.containers[c.id] = KnownContainer(c.pod_sandbox_id or pod.id, c.name, nf.pod_facts(pod, c), qos,
-                                               Request(int(note["bytes"]), source))
+        facts = nf.pod_facts(pod, c)
+        choice, _ = self._recorded_class(c.annotations, facts.namespace)
+        self.containers[c.id] = KnownContainer(c.pod_sandbox_id or pod.id, c.name, facts, qos,
+                                               Request(int(note["bytes"]), source), cls=choice.name)
+
+    def _recorded_class(self, annotations: Mapping[str, str], namespace: str):
+        """(ClassChoice, ContainerSettings) of the class our ``memqos.io/request`` annotation
+        recorded at creation (the node's settings when none, or when the node no longer
+        defines or allows it)."""
+        qos = self.qos
+        if not qos.classes:
+            return NO_CLASS, qos.base
+        note = parse_annotation(annotations)
+        choice = remembered(qos.classes, note.get("class") if note else None, namespace)
+        return choice, qos.class_settings.get(choice.name, qos.base)
+
+    def undecodable(self, method: str, error: str) -> None:
+        """A request that does not parse was answered with an empty reply: audited as fail-open."""
+        self._emit(tag({"event": "fail-open", "method": method, "mode": "nri", "error": error[:500],
+                        "reason": "the request does not parse: answered with no adjustment"}, self.rollout.observe))
 
     def disconnected(self, reason: str) -> None:
         self._emit({"event": "nri-disconnected", "mode": "nri", "reason": reason[:500]})

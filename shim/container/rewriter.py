@@ -23,6 +23,8 @@ from shim.cri.events import ContainerRemoved, PodSandboxRemoved, call_event, cre
 from shim.cri.facts import container_facts, pod_facts
 from shim.cri.methods import CREATE_CONTAINER, REMOVE_CONTAINER, REMOVE_POD_SANDBOX, UPDATE_CONTAINER_RESOURCES
 from shim.decision import Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource, decide
+from shim.decision.classes import EMPTY_TABLE, NO_CLASS, ClassChoice, ClassTable, ContainerSettings, choose_class, \
+    remembered, with_swap
 from shim.cri.rewritten import Rewritten
 from shim.decision.memory import kernel_values
 from shim.decision.pod import CONTAINER_ANNOTATION
@@ -48,6 +50,7 @@ class KnownContainer(NamedTuple):
     # monitor reports a cgroup that holds something else
     unified: Mapping[str, str] = MappingProxyType({})
     limit: int = 0  # the memory limit in force (0: none), from creation and updates that carry one
+    cls: str | None = None  # the class it was created with (shim.decision.classes), None: the node's settings
 
 
 def without_limit(update: Any, known: KnownContainer | None) -> bool:
@@ -66,12 +69,14 @@ def _create_base(pod: PodFacts, name: str, sandbox_id: str) -> dict:
     }
 
 
-def container_note(request_bytes: int, source: str, qos: str, cgroup_parent: str) -> str:
+def container_note(request_bytes: int, source: str, qos: str, cgroup_parent: str, cls: str | None = None) -> str:
     """The ``memqos.io/request`` annotation: compact JSON, exactly as
     ``json.dumps({...}, separators=(",", ":"))`` writes it (the strings escaped by the same
-    encoder), without building a dict and an encoder per container."""
-    return '{"bytes":%s,"source":%s,"qos":%s,"cgroup_parent":%s}' % (
+    encoder), without building a dict and an encoder per container. ``cls``: the class the
+    container was created with, a field ``class`` only when it has one."""
+    note = '{"bytes":%s,"source":%s,"qos":%s,"cgroup_parent":%s' % (
         int.__repr__(int(request_bytes)), _json_string(source), _json_string(qos), _json_string(cgroup_parent))
+    return note + (',"class":%s}' % _json_string(cls) if cls is not None else "}")
 
 
 def _observed_record(build: Callable[[], dict]) -> dict:
@@ -120,9 +125,20 @@ class ContainerMemoryQoS:
         disabled_reason: str = "",
         ownership=None,
         rollout: Rollout | None = None,
+        classes: ClassTable = EMPTY_TABLE,
+        guard_action: str = "relax",
+        reclaim: bool = False,
     ):
         self.node = node
         self.policy = policy
+        # the classes a pod may ask for (config classes / namespace-classes) and every class's
+        # settings over the node's, made once (key None: the node's own)
+        self.classes = classes
+        self.base = ContainerSettings(None, node, policy, guard_action, reclaim)
+        self.class_settings = classes.resolve(self.base)
+        # container id -> the class it was created with, for a container this rewriter did not see
+        # created (serve wires the reconciler's view: rebuilt from the runtime's listings)
+        self.recorded_class: Callable[[str], str | None] | None = None
         # enforce or observe: read once per call (one attribute), switched live by Rollout.set
         self.rollout = rollout if rollout is not None else Rollout()
         # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
@@ -147,6 +163,25 @@ class ContainerMemoryQoS:
         ``kubelet_keys`` once per call, and it is replaced in one assignment)."""
         self.ownership = ownership
         self.kubelet_keys = MappingProxyType(ownership.kubelet_keys())
+
+    def choose(self, pod: PodFacts, name: str) -> tuple[ClassChoice, ContainerSettings]:
+        """The class a new container gets from its pod's annotations, and its settings (the
+        node's when none is chosen or the annotation is refused)."""
+        if not self.classes:
+            return NO_CLASS, self.base
+        choice = choose_class(self.classes, pod, name)
+        return choice, self.class_settings[choice.name]
+
+    def settings_of(self, known: KnownContainer | None, cid: str = "") -> tuple[ClassChoice, ContainerSettings]:
+        """The class a container was created with, and its settings: the rewriter's memory, else
+        (a container created before a restart) what the node state read from its annotation."""
+        cls = known.cls if known is not None else None
+        if known is None and self.classes and self.recorded_class is not None and cid:
+            cls = self.recorded_class(cid)
+        if cls is None:
+            return NO_CLASS, self.base
+        choice = remembered(self.classes, cls)
+        return choice, self.class_settings.get(choice.name, self.base)
 
     # -- CallHooks ---------------------------------------------------------------
     def rewrite(self, call: RpcCall) -> bytes:
@@ -293,12 +328,15 @@ class ContainerMemoryQoS:
             return request
         resources = config.linux.resources
         owns = self.kubelet_keys
-        decision = decide(pod, container_facts(name, resources), self.node, self.policy, kubelet_owns=owns)
+        choice, settings = self.choose(pod, name)
+        decision = with_swap(decide(pod, container_facts(name, resources), settings.node, settings.policy,
+                                    kubelet_owns=owns), settings)
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request,
-                              MappingProxyType(kernel_values(decision, owns)), max(0, decision.limit))
-        lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns)
+                              MappingProxyType(kernel_values(decision, owns)), max(0, decision.limit), choice.name)
+        lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns,
+                       settings, choice)
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
-                              pod.cgroup_parent)
+                              pod.cgroup_parent, choice.name)
         out = request
         changed = decision.changed
         if changed:
@@ -310,8 +348,9 @@ class ContainerMemoryQoS:
         return out
 
     def _decision_record(self, base: Callable[..., dict], args: tuple, decision: Decision, owns,
+                         settings: ContainerSettings | None = None, choice: ClassChoice = NO_CLASS,
                          **extra: Any) -> dict:
-        record = self.describe(decision, owns, base(*args))  # (base makes a new dict)
+        record = self.describe(decision, owns, base(*args), settings, choice)  # (base makes a new dict)
         if extra:
             record.update(extra)
         return record
@@ -359,10 +398,11 @@ class ContainerMemoryQoS:
             pod = PodFacts()  # not seen at creation (shim restarted): QoS from oom_score_adj
             base["note"] = "container not seen at creation: QoS and request from the update alone"
         owns = self.kubelet_keys
-        decision = decide(pod, facts, self.node, self.policy, request_override, reset_absent=True,
-                          kubelet_owns=owns)
+        choice, settings = self.settings_of(known, msg.container_id)
+        decision = with_swap(decide(pod, facts, settings.node, settings.policy, request_override, reset_absent=True,
+                                    kubelet_owns=owns), settings)
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
-        record = partial(self._decision_record, dict, (base,), decision, owns, **extra)
+        record = partial(self._decision_record, dict, (base,), decision, owns, settings, choice, **extra)
         out = request
         if decision.changed:
             _apply(resources, decision)
@@ -370,9 +410,13 @@ class ContainerMemoryQoS:
         call.rewritten = Rewritten(msg, decision, record)
         return out
 
-    def describe(self, d: Decision, owns, into: dict | None = None) -> dict:
+    def describe(self, d: Decision, owns, into: dict | None = None, settings: ContainerSettings | None = None,
+                 choice: ClassChoice = NO_CLASS) -> dict:
         """The decision as the audit record says it (both front ends), added to ``into`` (a new
-        dict when None) and returned."""
+        dict when None) and returned. ``settings``: the container's (its class's, else the
+        node's); on a node with classes the record says the class (``class``, null for none) and
+        why an annotation was refused (``class_refused``, ``class_note``)."""
+        settings = settings or self.base
         r = {} if into is None else into
         r["event"] = "rewrite" if d.changed else "unchanged"
         r["qos"] = d.qos.value
@@ -382,12 +426,14 @@ class ContainerMemoryQoS:
         r["request_source"] = request.source.value
         if request.note:
             r["request_note"] = request.note
-        node = self.node
+        node = settings.node
         r["limit"] = d.limit
         r["allocatable"] = node.allocatable
         r["factor"] = node.factor
         r["page_size"] = node.page_size
-        r["policy"] = self.policy.value
+        r["policy"] = settings.policy.value
+        if self.classes:
+            r.update(choice.record())
         if owns:
             r["kubelet_owns"] = sorted(owns)
         r["unified_before"] = dict(d.unified_before)

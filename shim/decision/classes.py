@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from shim.decision.facts import NodeFacts, PodFacts, Policy
+from shim.decision.facts import Decision, NodeFacts, PodFacts, Policy
 
 CLASS_ANNOTATION = "memqos.io/class"  # every container of the pod
 CONTAINER_CLASS_PREFIX = "memqos.io/class."  # + container name: that container only
@@ -41,6 +41,7 @@ MALFORMED = "malformed"
 REFUSAL_REASONS = (UNKNOWN_CLASS, NAMESPACE_NOT_ALLOWED, MALFORMED)
 
 GUARD_ACTIONS = ("relax", "none")
+SWAP_KEY = "memory.swap.max"
 
 # The settings a class may set, named as the config file's keys.
 CLASS_KEYS = ("policy", "factor", "protection-headroom-ratio", "protection-headroom-min", "guard-action",
@@ -244,3 +245,23 @@ def remembered(table: ClassTable, name: Any, namespace: str | None = None) -> Cl
                            f"created with class {name!r}, which namespace {_quoted(namespace)} may no longer use: "
                            "the node's settings")
     return ClassChoice(name, FROM_MEMORY)
+
+
+def with_swap(decision: Decision, settings: ContainerSettings) -> Decision:
+    """``decision`` for a container of a swap class (``settings.swap``): ``memory.swap.max: max``
+    added when the kubelet sent no memory.swap.max (it left swap to the runtime); a value the
+    kubelet sent is kept as sent, never removed, lowered or raised (its NoSwap "0" and its
+    LimitedSwap share are the node's swap policy). ``decision`` itself when the class does not
+    swap (docs/memory-qos.md, "Swap")."""
+    if not settings.swap:
+        return decision
+    before = decision.unified_before
+    reasons = dict(decision.reasons)
+    if SWAP_KEY in before:
+        reasons[SWAP_KEY] = (f"kubelet's {before[SWAP_KEY][:40]!r} kept: class {settings.cls} allows swap only where "
+                             "the kubelet sends no memory.swap.max")
+        return replace(decision, reasons=MappingProxyType(reasons))
+    after = dict(decision.unified_after)
+    after[SWAP_KEY] = "max"
+    reasons[SWAP_KEY] = f"max: class {settings.cls} allows swap and the kubelet sent no memory.swap.max"
+    return replace(decision, unified_after=MappingProxyType(after), reasons=MappingProxyType(reasons))

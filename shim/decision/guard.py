@@ -36,6 +36,13 @@ the newest last) and its guard state, and says what to do now:
 * ``reported`` state (action ``none``): calm (``full avg10 < threshold * calm_fraction``) for
   ``cooldown`` seconds, or memory.high gone -> ``CLEAR`` (the episode is over).
 
+A container of a swap class (``swap_progress``) that is paging out to swap makes progress past
+memory.high: its memory.swap.current grew by at least ``SWAP_PROGRESS_BYTES`` since the sample
+before (``Sample.swapping``). Such a sample is not hot: memory.high pushes its anon pages to swap
+as the class asks, and the guard leaves memory.high alone while it does; when swap stops
+growing (swap full, memory.swap.max reached, or pages only going in and out) and the crawl goes
+on, the samples are hot again and the guard acts as for any container (docs/memory-qos.md, "Swap").
+
 A sample without a PSI reading (kernel built without PSI, ``psi=0``) is never hot and never
 calm: the guard does nothing it cannot justify, and a relaxed container stays relaxed (the
 safe side: no crawl).
@@ -64,6 +71,7 @@ class Verdict(str, Enum):
 
 
 WATCH, RELAXED, REPORTED = "watch", "relaxed", "reported"
+SWAP_PROGRESS_BYTES = 1 << 20  # memory.swap.current growth between two samples that counts as progress
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,14 @@ class Sample:
     full_avg10: float | None  # percent, 0..100
     max: int | None = None
     some_avg10: float | None = None
+    swap_current: int | None = None  # memory.swap.current (None: not read)
+    swapping: bool = False  # swap_current grew by SWAP_PROGRESS_BYTES or more since the sample before
+
+
+def is_swapping(before: Sample | None, swap_current: int | None) -> bool:
+    """Whether memory.swap.current grew by SWAP_PROGRESS_BYTES or more since ``before``."""
+    return (before is not None and before.swap_current is not None and swap_current is not None
+            and swap_current - before.swap_current >= SWAP_PROGRESS_BYTES)
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,7 @@ class GuardConfig:
     at_high_fraction: float = 0.02  # "at memory.high" = within 2 % of it ...
     at_high_min_bytes: int = 1 << 20  # ... or 1 MiB, whichever is larger
     max_gap: float | None = None  # a longer gap between samples breaks a run (None: no limit)
+    swap_progress: bool = False  # a swap class: a sample that is swapping out is not hot
 
     def margin(self, high: int) -> int:
         return max(int(high * self.at_high_fraction), self.at_high_min_bytes)
@@ -126,6 +143,7 @@ def is_hot(s: Sample, cfg: GuardConfig) -> bool:
         and s.full_avg10 is not None
         and s.full_avg10 >= cfg.threshold
         and s.current >= s.high - cfg.margin(s.high)
+        and not (cfg.swap_progress and s.swapping)
     )
 
 
@@ -171,6 +189,9 @@ def decide(samples: Sequence[Sample], cfg: GuardConfig, state: GuardState = Guar
         return GuardDecision(Verdict.KEEP, state, "no PSI reading (memory.pressure unreadable)")
     # samples from before the last mode change (a relaxation, a restore) do not count
     span = trailing_span(samples, lambda s: is_hot(s, cfg), cfg, not_before=state.since)
+    if span is None and cfg.swap_progress and now.swapping:
+        return GuardDecision(Verdict.KEEP, state, f"swapping out past memory.high (swap class): memory.swap.current "
+                                                  f"{_mb(now.swap_current)}, full avg10 {now.full_avg10:.1f}%")
     if span is None:
         return GuardDecision(Verdict.KEEP, state, f"not crawling: full avg10 {now.full_avg10:.1f}%, "
                                                   f"memory.current {_mb(now.current)}, memory.high {_mb(now.high)}")

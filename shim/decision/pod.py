@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Protocol
 
+from shim.decision.classes import valid_name
 from shim.decision.facts import ContainerFacts, PodFacts
 from shim.decision.qos import parse_cgroup_parent, qos_from_oom_score_adj
 from shim.decision.quantity import MAX_BYTES
@@ -164,6 +165,13 @@ def parse_annotation(annotations: Mapping[str, str]) -> dict | None:
     if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BYTES:
         return None
     return doc
+
+
+def note_class(note: Mapping | None) -> str:
+    """The class a container was created with, as the shim's annotation records it ("" for none,
+    or for a value that is not a class name)."""
+    cls = note.get("class") if note else None
+    return cls if isinstance(cls, str) and valid_name(cls) else ""
 
 
 def derive_request(pod: PodFacts, container: ContainerFacts, capacity: int) -> tuple[int, str]:

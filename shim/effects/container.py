@@ -19,6 +19,8 @@ from shim.effects.layout import SYSTEMD, CgroupLayout
 READ_FILES = ("memory.current", "memory.min", "memory.low", "memory.high", "memory.max",
               "memory.events", "memory.pressure")
 RECLAIM_READ_FILES = READ_FILES + ("memory.stat",)  # what the monitor reads with reclaim on
+SWAP_READ_FILE = "memory.swap.current"  # read too for a container of a swap class (the guard)
+MONITOR_FILES = frozenset(RECLAIM_READ_FILES + (SWAP_READ_FILE,))  # every file the monitor may read
 WRITE_FILES = frozenset({"memory.high"})
 SETTLE_FILES = ("memory.min", "memory.low", "memory.high")  # in this order
 VALUE_FILES = frozenset({"memory.min", "memory.low", "memory.high"})  # what the NRI confirmer writes
@@ -73,7 +75,7 @@ class ContainerCgroups(CgroupTree):
         out: dict[str, str | None] = {}
         try:
             for name in files:
-                if name not in RECLAIM_READ_FILES:
+                if name not in MONITOR_FILES:
                     raise PathRefused(f"{name!r} is not a file the monitor reads")
                 try:
                     fd = self._open_file(dfd, name, os.O_RDONLY)

@@ -31,6 +31,7 @@ from shim.effects.rollout import MODES
 from shim.guard.sampling import EVENTS
 from shim.transport.hooks import RpcCall
 from shim.cri.methods import CRI_METHODS_BY_PATH
+from shim.decision.classes import REFUSAL_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +360,11 @@ class Metrics:
                                  ("method",), registry=r)
         self.fail_opens = Counter("memqos_fail_open", "requests forwarded unchanged because of an error",
                                   ("method",), registry=r)
+        self.class_refused = Counter(
+            "memqos_class_refused", "class annotations refused (the container got the node's settings), by reason",
+            ("reason",), registry=r)
+        for reason in REFUSAL_REASONS:
+            self.class_refused.labels(reason)
         self.cgroup_writes = Counter("memqos_cgroup_writes", "cgroup files written (audited writes)",
                                      ("level", "file"), registry=r)
         self.cgroup_refusals = Counter("memqos_cgroup_refusals", "cgroup paths refused (outside the tree, symlink, ...)",
@@ -443,6 +449,9 @@ class Metrics:
     # -- the audit stream
     def on_audit(self, record: dict) -> None:
         event = record.get("event")
+        refused = record.get("class_refused")
+        if refused in REFUSAL_REASONS:  # (a bounded label set)
+            self.class_refused.labels(refused).inc()
         if event == "rewrite":
             self.rewrites.labels(str(record.get("method", "")), str(record.get("qos", "")),
                                  str(record.get("request_source", ""))).inc()

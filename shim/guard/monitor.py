@@ -48,9 +48,10 @@ from shim.decision.guard import (
     Verdict,
     decide,
     history_needed,
+    is_swapping,
 )
 from shim.effects.cgroupfs import PathRefused
-from shim.effects.container import RECLAIM_READ_FILES, ContainerCgroups
+from shim.effects.container import READ_FILES, RECLAIM_READ_FILES, SWAP_READ_FILE, ContainerCgroups
 from shim.effects.layout import CgroupLayout
 from shim.effects.rollout import OBSERVE
 from shim.guard.episodes import REF_FIELDS, Episode, EpisodeFile
@@ -69,7 +70,7 @@ def refs_from_container_qos(container_qos) -> list[ContainerRef]:
     out = []
     for cid, k in list(dict(container_qos.containers).items()):
         out.append(ContainerRef(cid, k.pod.namespace, k.pod.name, k.name, k.pod.uid, k.pod.cgroup_parent,
-                                getattr(k.qos, "value", str(k.qos))))
+                                getattr(k.qos, "value", str(k.qos)), k.cls or ""))
     return out
 
 
@@ -100,6 +101,8 @@ class Monitor(Worker):
         page_size: int | None = None,
         rollout=None,
         expected: Callable[[str], object] | None = None,
+        class_settings=None,
+        reclaim_default: bool = True,
     ):
         super().__init__("memqos-monitor", logger=log, label="monitor")
         self.cgroup_root = cgroup_root
@@ -138,6 +141,11 @@ class Monitor(Worker):
         # expected(container id): the memory.* values its cgroup is to hold (None: not known);
         # a cgroup holding others is reported (shim.guard.update_follow.KernelCheck)
         self.kernel_check = KernelCheck(expected, emit, self.page_size) if expected is not None else None
+        # class name -> its ContainerSettings (guard action, reclaim, swap), for the containers created
+        # with a class (ContainerRef.cls); reclaim_default: whether reclaim runs for the others
+        self.class_settings = class_settings or {}
+        self.reclaim_default = reclaim_default
+        self.kubelet_high = False  # the kubelet owns container memory.high: no class relaxes it
         self.reclaimer = (ReclaimRunner(reclaim, self.fs, emit, self._error, self.page_size, reclaim_audit_interval)
                           if reclaim is not None else None)
 
@@ -247,8 +255,11 @@ class Monitor(Worker):
                 continue
             if rel is None:
                 continue
+            settings = self.class_settings.get(ref.cls) if ref.cls else None
+            names = READ_FILES if self.reclaim is None else RECLAIM_READ_FILES
             try:
-                files = self.fs.read_files(rel) if self.reclaim is None else self.fs.read_files(rel, RECLAIM_READ_FILES)
+                files = self.fs.read_files(rel, names + (SWAP_READ_FILE,) if settings is not None and settings.swap
+                                           else names)
             except FileNotFoundError:  # the container's cgroup went away
                 self._paths.pop(ref.id, None)
                 continue
@@ -261,14 +272,14 @@ class Monitor(Worker):
                 self._resumed_alive(ref, rel)
             reading = reading_from(ref, self.fs.abspath(rel), self._clock(), files)
             readings.append(reading)
-            decision = self._guard(ref, rel, reading, now)
+            decision = self._guard(ref, rel, reading, now, self._guard_for(settings))
             if decision is not None:
                 acted.append((ref, decision))
             mode = self._states.get(ref.id, GuardState()).mode
             reading.relaxed = mode == RELAXED
             if self.kernel_check is not None and not self.fs.rollout.observe:
                 self.kernel_check.check(ref, reading.path, files, skip_high=mode != WATCH)
-            if self.reclaimer is not None:
+            if self.reclaimer is not None and (settings.reclaim if settings is not None else self.reclaim_default):
                 try:
                     self.reclaimer.run(ref, rel, reading, files.get("memory.stat"), now)
                 except Exception:  # optional: must never take the guard's round down
@@ -345,23 +356,39 @@ class Monitor(Worker):
             self._saved = key
 
     # -- the guard
-    def _guard(self, ref: ContainerRef, rel: str, r: Reading, now: float):
+    def _guard_for(self, settings) -> GuardConfig:
+        """The guard's settings for a container of a class (``settings``; None: the node's):
+        the class's guard action (never relax where the kubelet owns memory.high), and for a
+        swap class, swapping out counts as progress (shim.decision.guard)."""
+        guard = self.guard
+        if settings is None:
+            return guard
+        action = GuardAction(settings.guard_action)
+        if action is GuardAction.RELAX and self.kubelet_high:
+            action = GuardAction.NONE
+        if action is guard.action and not settings.swap:
+            return guard
+        return replace(guard, action=action, swap_progress=settings.swap)
+
+    def _guard(self, ref: ContainerRef, rel: str, r: Reading, now: float, guard: GuardConfig | None = None):
+        guard = guard or self.guard
         high_text = None
         observe = self.fs.rollout.observe
+        hist = self._history.get(ref.id)
+        if hist is None:
+            hist = self._history[ref.id] = collections.deque()
         sample = Sample(
             t=now, current=r.current, high=self._observed.get(ref.id, r.high) if observe else r.high, max=r.max,
             full_avg10=r.pressure.get("full", {}).get("avg10"),
             some_avg10=r.pressure.get("some", {}).get("avg10"),
+            swap_current=r.swap_current, swapping=is_swapping(hist[-1] if hist else None, r.swap_current),
         )
-        hist = self._history.get(ref.id)
-        if hist is None:
-            hist = self._history[ref.id] = collections.deque()
         hist.append(sample)
-        keep = history_needed(self.guard)
+        keep = history_needed(guard)
         while hist and now - hist[0].t > keep:
             hist.popleft()
         state = self._states.get(ref.id, GuardState())
-        d = decide(list(hist), self.guard, state)
+        d = decide(list(hist), guard, state)
         if d.verdict is Verdict.KEEP:
             return None
         record = {
@@ -373,15 +400,19 @@ class Monitor(Worker):
             "path": self.fs.abspath(rel),
             "file": "memory.high",
             "reason": d.reason,
-            "action": self.guard.action.value,
+            "action": guard.action.value,
             "memory_current": r.current,
             "memory_high": "max" if r.high is None else r.high,
             "memory_max": "max" if r.max is None else r.max,
             "full_avg10": sample.full_avg10,
-            "threshold": self.guard.threshold,
-            "window": self.guard.window,
-            "cooldown": self.guard.cooldown,
+            "threshold": guard.threshold,
+            "window": guard.window,
+            "cooldown": guard.cooldown,
         }
+        if ref.cls:
+            record["class"] = ref.cls
+        if sample.swap_current is not None:
+            record["memory_swap_current"] = sample.swap_current
         if d.write is not None:
             expect = "max" if d.verdict is Verdict.RESTORE else str(r.high)
             try:
@@ -446,9 +477,9 @@ def guard_config(cfg) -> GuardConfig:
     )
 
 
-def reclaim_config(cfg) -> rc.ReclaimConfig | None:
-    """--reclaim and its settings (None: off, the default)."""
-    if not cfg.reclaim:
+def reclaim_config(cfg, class_settings=None) -> rc.ReclaimConfig | None:
+    """--reclaim and its settings (None: off, the default, unless a class turns it on)."""
+    if not cfg.reclaim and not any(s.reclaim for s in (class_settings or {}).values()):
         return None
     interval = cfg.monitor_interval or 5.0
     return rc.ReclaimConfig(
@@ -478,12 +509,17 @@ def build_monitor(cfg, kubelet: KubeletFacts, emit: Callable[[dict], None], *, c
         expected = partial(known_values, container_qos)
     if reconciler is not None:
         sources.append(lambda: refs_from_reconciler(reconciler))
-    guard = guard_for_ownership(cfg, getattr(container_qos, "ownership", None))
-    return Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
-                   emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
-                   reclaim=reclaim_config(cfg),
-                   reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout,
-                   page_size=cfg.page_size or None, expected=expected)
+    owners = getattr(container_qos, "ownership", None)
+    guard = guard_for_ownership(cfg, owners)
+    classes = {name: s for name, s in (getattr(container_qos, "class_settings", None) or {}).items() if name}
+    monitor = Monitor(cgroup_root=cfg.cgroup_root, kubelet=kubelet, guard=guard, interval=interval,
+                      emit=emit, sources=sources, reconciler=reconciler, episodes=episode_file(cfg),
+                      reclaim=reclaim_config(cfg, classes),
+                      reclaim_audit_interval=cfg.reclaim_audit_interval, rollout=rollout,
+                      page_size=cfg.page_size or None, expected=expected, class_settings=classes,
+                      reclaim_default=cfg.reclaim)
+    monitor.kubelet_high = kubelet_owns_high(owners)
+    return monitor
 
 
 def known_values(container_qos, cid: str):
@@ -499,12 +535,16 @@ def guard_for_ownership(cfg, owners) -> GuardConfig:
     ``none`` (crawls are reported). Serve replaces ``Monitor.guard`` with this when the
     ownership changes (the kubelet's version found after start)."""
     guard = guard_config(cfg)
-    kubelet_high = owners is not None and owners.owner("container memory.high") == "kubelet"
-    if kubelet_high and guard.action is GuardAction.RELAX:
+    if kubelet_owns_high(owners) and guard.action is GuardAction.RELAX:
         log.warning("the kubelet owns container memory.high (%s): the guard reports crawls instead of relaxing",
                     owners.reasons["container memory.high"])
         guard = replace(guard, action=GuardAction.NONE)
     return guard
+
+
+def kubelet_owns_high(owners) -> bool:
+    """Whether the kubelet owns container memory.high (shim.node.kubelet.Ownership, or None)."""
+    return owners is not None and owners.owner("container memory.high") == "kubelet"
 
 
 def episode_file(cfg) -> EpisodeFile | None:

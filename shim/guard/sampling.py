@@ -66,6 +66,7 @@ class Reading:
     pressure: dict[str, dict[str, float]] = field(default_factory=dict)
     relaxed: bool = False
     reclaimed: int | None = None  # bytes memory.reclaim freed so far (None: reclaim off)
+    swap_current: int | None = None  # memory.swap.current (None: not read, or unreadable)
 
 
 @dataclass
@@ -93,4 +94,5 @@ def reading_from(ref: ContainerRef, path: str, t: float, files: dict[str, str | 
         high=num("memory.high"), max=num("memory.max"),
         events=parse_flat_keyed(files.get("memory.events")),
         pressure=parse_pressure(files.get("memory.pressure")),
+        swap_current=num("memory.swap.current"),
     )

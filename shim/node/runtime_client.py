@@ -16,7 +16,7 @@ from shim.cri import pb
 from shim.cri.methods import RUNTIME_SERVICE
 from shim.decision import PodFacts
 from shim.cri.facts import derived_request
-from shim.decision.pod import container_request
+from shim.decision.pod import container_request, note_class
 from shim.node.state import ContainerRecord, NodeState, PodRecord, SandboxRecord, SandboxView, Snapshot
 from shim.transport.unary_client import CallError, UnaryClient
 
@@ -181,6 +181,7 @@ def take_snapshot(client: RuntimeClient, known: NodeState | None, capacity: int,
             attempt=st.metadata.attempt or c.metadata.attempt, request=b, source=src,
             qos=str(note.get("qos", "")) if note else (kc.qos if kc else ""),
             cgroup_parent=str(note.get("cgroup_parent", "")) if note else (kc.cgroup_parent if kc else ""),
+            cls=note_class(note) if note else (kc.cls if kc else ""),
             created_at=st.created_at or c.created_at,
             finished_at=st.finished_at if st_exited else 0,
             create_start=kc.create_start if kc else 0,

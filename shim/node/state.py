@@ -18,7 +18,7 @@ force go down (``shim.decision.protection``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from shim.cri.events import call_event, status_seen
@@ -34,7 +34,8 @@ from shim.decision.events import (
     PodSandboxStopped,
 )
 from shim.decision import QoSClass, parse_cgroup_parent
-from shim.decision.pod import PodRequest, container_request, derive_request, pod_request, request_from_unified
+from shim.decision.pod import PodRequest, container_request, derive_request, note_class, pod_request, \
+    request_from_unified
 from shim.transport.hooks import RpcCall
 
 MAX_DEPARTED_PODS = 4096  # pods with departures not yet taken (the reconciler takes them every pass)
@@ -56,6 +57,7 @@ class ContainerRecord:
     source: str = ""
     qos: str = ""  # from the memqos.io/request annotation, when present
     cgroup_parent: str = ""  # idem
+    cls: str = ""  # idem: the class it was created with ("" for none)
     order: int = 0  # creation order within the node state
     created_at: int = 0  # runtime clock, ns; 0 = not reported yet
     finished_at: int = 0  # runtime clock, ns; 0 = not known to have finished
@@ -136,8 +138,10 @@ class PodRecord:
 
 # -- the state ---------------------------------------------------------------------------
 class NodeState:
-    def __init__(self, capacity: int = 0):
+    def __init__(self, capacity: int = 0, unprotected: frozenset[str] = frozenset()):
         self.capacity = capacity
+        # classes whose containers are not protected (policy None): they count 0 in the pod sums
+        self.unprotected = unprotected
         self.pods: dict[str, PodRecord] = {}
         self.sandbox_pod: dict[str, str] = {}
         self.container_pod: dict[str, str] = {}
@@ -188,7 +192,11 @@ class NodeState:
         return self.pods.get(uid) if uid else None
 
     def request(self, pod: PodRecord) -> PodRequest:
-        return pod_request(pod.containers.values(), pod.overhead)
+        """The pod's request; a container of an unprotected class (``unprotected``) counts 0."""
+        containers = pod.containers.values()
+        if self.unprotected and any(c.cls in self.unprotected for c in containers):
+            containers = [replace(c, request=0) if c.cls in self.unprotected else c for c in containers]
+        return pod_request(containers, pod.overhead)
 
     # -- mutations
     def upsert_pod(self, uid: str, namespace: str = "", name: str = "",
@@ -289,6 +297,7 @@ class NodeState:
             request=b, source=src, create_start=e.start_ns, exists_at=e.done_ns,
             qos=str(note.get("qos", "")) if note else "",
             cgroup_parent=str(note.get("cgroup_parent", "")) if note else "",
+            cls=note_class(note),
         ))
         return True, uid
 
@@ -364,7 +373,7 @@ class NodeState:
     def rebuild(self, snapshot: "Snapshot") -> None:
         """Replace the state by what the runtime reported (built aside, then swapped in, so a
         reader on another thread sees the old state or the new one, never a half-built one)."""
-        new = NodeState(self.capacity)
+        new = NodeState(self.capacity, self.unprotected)
         new.snap_gen = max(self.snap_gen, snapshot.gen)
         for sv in snapshot.sandboxes:
             pod = new.upsert_pod(sv.pod.uid, sv.pod.namespace, sv.pod.name, sv.pod.annotations)
@@ -439,6 +448,7 @@ def listing_snapshot(events, known: NodeState | None, capacity: int, gen: int) -
             kc = known.container(c.id) if known is not None else None
             if kc is not None and kc.source:
                 c.request, c.source, c.qos, c.cgroup_parent = kc.request, kc.source, kc.qos, kc.cgroup_parent
+                c.cls = kc.cls or c.cls
                 c.create_start = kc.create_start or c.create_start
             c.first_gen = kc.first_gen if kc is not None and kc.first_gen else gen
             if not c.finished_at and not c.exited_by:

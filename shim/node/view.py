@@ -2,14 +2,16 @@
 
 The reconciler's NodeState is mutated by its own thread only. After each change it applies,
 the reconciler publishes a ``NodeView``: an immutable tuple of ``ContainerRef`` (one per
-container: its id, pod, container name, cgroup parent and QoS class), replacing a single
-attribute. A reader (the monitor) takes that attribute once and iterates it without locks
+container: its id, pod, container name, cgroup parent, QoS class and memory QoS class),
+replacing a single attribute; ``classes`` indexes the containers created with a class (the
+rewriter's updates of a container created before the shim restarted). A reader (the monitor) takes that attribute once and iterates it without locks
 or retries.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping
 
 from shim.decision.qos import parse_cgroup_parent
 
@@ -28,6 +30,7 @@ class ContainerRef:
     uid: str
     cgroup_parent: str
     qos: str = ""
+    cls: str = ""  # the class it was created with ("" for none: the node's settings)
 
     def label(self) -> str:
         return f"{self.namespace}/{self.pod}/{self.container}"
@@ -38,6 +41,8 @@ class NodeView:
     """Every container of the node state, immutable."""
 
     containers: tuple[ContainerRef, ...] = ()
+    # container id -> the class it was created with, for the containers created with one
+    classes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def of(cls, state: NodeState) -> "NodeView":
@@ -50,8 +55,8 @@ class NodeView:
             qos = pod.qos_of(parent, parse)
             for c in pod.containers.values():
                 out.append(ContainerRef(c.id, pod.namespace, pod.name, c.name, pod.uid, parent,
-                                        qos.value if qos is not None else ""))
-        return cls(tuple(out))
+                                        qos.value if qos is not None else "", c.cls))
+        return cls(tuple(out), MappingProxyType({r.id: r.cls for r in out if r.cls}))
 
 
 _PARSED: dict = {}

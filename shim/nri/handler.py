@@ -56,6 +56,10 @@ class Handler:
     def answering(self) -> None:
         """A runtime call reached the plugin (before its handler method runs)."""
 
+    def undecodable(self, method: str, error: str) -> None:
+        """A runtime call whose request does not parse (e.g. a string that is not UTF-8): it is
+        answered with an empty reply (nothing adjusted)."""
+
     def replied(self) -> None:
         """The reply to the call is written to the socket: work that need not delay it goes now."""
 

@@ -134,6 +134,10 @@ class NriProtocol:
         except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
             self.stats.undecodable += 1
             log.warning("NRI %s request does not parse (%s): answering with an empty reply", method, e)
+            try:
+                self.handler.undecodable(method, f"{e.__class__.__name__}: {e}")
+            except Exception:  # noqa: BLE001 - the empty reply goes out whatever the handler does
+                log.exception("NRI handler's undecodable() failed")
             return ttrpc.Response(resp_type().SerializeToString())
         try:
             reply = answer(self, message)
