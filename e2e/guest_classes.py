@@ -334,6 +334,7 @@ class ClassesScenario:
     def run(self) -> None:
         from shim.cri import api_pb2 as pb
 
+        self.t0 = time.time()
         left = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
         if left:
             raise InfraError(f"classes: {len(left)} pod(s) of an earlier scenario still there")
@@ -345,7 +346,8 @@ class ClassesScenario:
         t_created = time.time()
         for spec in PODS:
             self.create(self.cri, spec)
-        self.note(f"{len(PODS)} pods created through the shim")
+        self.report.timing("classes:create-proxy-pods", time.time() - t_created)
+        self.note(f"{len(PODS)} pods created through the shim in {time.time() - t_created:.0f}s")
         self.proxy_values = self.check_values("created")
         self.check_audit("created", self.shim.audit_log)
         self.check_pod_level("created")
@@ -359,6 +361,7 @@ class ClassesScenario:
         else:
             self.report.skip(SCN, "classes through memqos-shim nri", "containerd runs without NRI in this boot "
                              "(a scenario without +nri: --classes proxy)")
+        self.report.timing("classes:run", time.time() - self.t0)
 
     def reclaim(self, t0: float) -> None:
         batch, twin = self.pods["cls-batch"].ids["main"], self.pods["cls-reader"].ids["main"]
@@ -470,6 +473,7 @@ class ClassesScenario:
         snapshot(self.snap, "classes: NRI mode")
 
     def teardown(self) -> None:
+        t = time.time()
         if self.cri:
             self.cri.close()
         if self.shim.proc and self.shim.proc.poll() is None:
@@ -488,3 +492,4 @@ class ClassesScenario:
         if self.device:
             subprocess.run(["losetup", "-d", self.device], capture_output=True)
         self.direct.close()
+        self.report.timing("classes:teardown", time.time() - t)
