@@ -176,6 +176,7 @@ class ClassesScenario:
         self.direct = Cri(CONTAINERD_SOCK)
         self.plugin = None
         self.readers_done = False
+        self.leftover: list[str] = []  # pods of an earlier scenario the runtime did not remove
         self.device = ""
         self.pods: dict[str, Live] = {}
         self.proxy_values: dict[str, str] = {}
@@ -318,9 +319,13 @@ class ClassesScenario:
             wanted.append((live.parent, X.kernel_reads(v, page), f"pod {name}",
                            "sum of its protected containers' requests" + (f" ({left} of class unprotected left out)"
                                                                           if left else "")))
-        wanted.append(("/kubepods/burstable", X.kernel_reads(total, page), "burstable QoS cgroup",
-                       f"sum of the pods' protected requests = {total}"))
-        wanted.append(("/kubepods", X.kernel_reads(total, page), "kubepods", "Burstable sum (no Guaranteed pod)"))
+        if self.leftover:
+            self.report.skip(SCN, f"{step}: burstable / kubepods memory.min (expected {total})",
+                             f"pods of an earlier scenario still there: {self.leftover}")
+        else:
+            wanted.append(("/kubepods/burstable", X.kernel_reads(total, page), "burstable QoS cgroup",
+                           f"sum of the pods' protected requests = {total}"))
+            wanted.append(("/kubepods", X.kernel_reads(total, page), "kubepods", "Burstable sum (no Guaranteed pod)"))
         deadline = time.time() + (self.args.settle if settle is None else settle)
         while True:
             actual = [cg_read(p, "memory.min") for p, *_ in wanted]
@@ -336,8 +341,13 @@ class ClassesScenario:
 
         self.t0 = time.time()
         left = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
-        if left:
-            raise InfraError(f"classes: {len(left)} pod(s) of an earlier scenario still there")
+        if left:  # an earlier scenario's pod the runtime did not remove (docs/testing.md, "Stack matrix")
+            remove_every_pod(self.direct, self.report, "classes: an earlier scenario's pods", timeout=60)
+            left = self.direct.call("ListPodSandbox", pb.ListPodSandboxRequest()).items
+            self.leftover = [f"{sb.metadata.namespace}/{sb.metadata.name}" for sb in left]
+            if left:
+                self.note(f"pods of an earlier scenario the runtime did not remove: {self.leftover}; the burstable "
+                          "and kubepods sums are not asserted (they may hold those pods' requests)")
         self.setup_data()
         self.report.data["scenarios"].append({"name": SCN, "config": CONFIG})
         dt = self.shim.start()
