@@ -28,7 +28,7 @@ import signal
 import time
 
 import expect as X
-import guest as G
+from guest_common import CGROOT, CONTAINERD_SOCK, Cri, InfraError, cg_read, log
 
 SCENARIO = "systemd"
 UNIT = "memqos-shim.service"
@@ -53,7 +53,7 @@ def phase_install(g, wheelhouse: str | None) -> None:
     g.report.data["install"] = data
     wheels = sorted(glob.glob(os.path.join(wheelhouse, "memqos_shim-*.whl")))
     if len(wheels) != 1:
-        raise G.InfraError(f"expected one memqos_shim wheel in {wheelhouse}, found {wheels}")
+        raise InfraError(f"expected one memqos_shim wheel in {wheelhouse}, found {wheels}")
     data["wheel"] = os.path.basename(wheels[0])
     data["wheel_bytes"] = os.path.getsize(wheels[0])
     data["wheelhouse"] = sorted(os.listdir(wheelhouse))
@@ -79,9 +79,9 @@ def _install(g, checkout: str, wheel: str, wheelhouse: str, data: dict) -> None:
     config = "\n".join([
         "# written by the e2e guest before deploy/install.sh, which must keep it",
         f"listen: unix://{SOCK}",
-        f"upstream: unix://{G.CONTAINERD_SOCK}",
+        f"upstream: unix://{CONTAINERD_SOCK}",
         f"kubelet-config: {g.kubelet_config}",
-        f"cgroup-root: {G.CGROOT}",
+        f"cgroup-root: {CGROOT}",
         f"audit-log: {AUDIT}",
         "monitor-interval: 0",
         f"resync-interval: {g.args.resync:g}",
@@ -99,14 +99,14 @@ def _install(g, checkout: str, wheel: str, wheelhouse: str, data: dict) -> None:
     p = g.run(["bash", os.path.join(checkout, "deploy", "install.sh"), "--wheel", wheel, "--find-links", wheelhouse,
                "--no-index", "--python", "/usr/bin/python3"], check=False, timeout=900)
     data["install_s"] = round(time.time() - t, 1)
-    G.log(f"install: deploy/install.sh exit {p.returncode} after {data['install_s']} s")
+    log(f"install: deploy/install.sh exit {p.returncode} after {data['install_s']} s")
     g.report.timing("install:install.sh", time.time() - t)
     with open(os.path.join(g.logs, "install.log"), "w") as f:
         f.write(p.stdout + p.stderr + f"exit {p.returncode}\n")
     _check(g, "installed", "bash deploy/install.sh --wheel W --find-links H --no-index (no network)", "exit code",
            "0", p.returncode, (p.stderr or p.stdout).strip()[-300:], source="process")
     if p.returncode != 0:
-        raise G.InfraError(f"deploy/install.sh failed: {(p.stderr or p.stdout).strip()[-400:]}")
+        raise InfraError(f"deploy/install.sh failed: {(p.stderr or p.stdout).strip()[-400:]}")
     with open(CONFIG) as f:
         kept = f.read() == config
     _check(g, "installed", "an existing config", CONFIG, "kept", "kept" if kept else "overwritten",
@@ -124,7 +124,7 @@ def _install(g, checkout: str, wheel: str, wheelhouse: str, data: dict) -> None:
 
 def _traffic(g, data: dict) -> dict:
     g.shim_unit = None  # stop_shim() must not stop the installed unit
-    g.cri = G.Cri(SOCK)
+    g.cri = Cri(SOCK)
     t = time.time()
     pod = g.create_pod("installed", X.BURSTABLE, 40 * MI, 120 * MI, True)
     data["create_pod_s"] = round(time.time() - t, 2)
@@ -134,7 +134,7 @@ def _traffic(g, data: dict) -> dict:
              "memory.high": X.kernel_reads(e.high, pg), "memory.max": X.kernel_reads(e.max, pg)}
     for f, v in want.items():
         _check(g, "traffic", "container installed/main (Burstable) made through the installed unit",
-               f"{G.CGROOT}/{pod['scope']}/{f}", v, G.cg_read(pod["scope"], f), json.dumps(e.why, sort_keys=True),
+               f"{CGROOT}/{pod['scope']}/{f}", v, cg_read(pod["scope"], f), json.dumps(e.why, sort_keys=True),
                source="cgroupfs")
     return pod
 
@@ -154,7 +154,7 @@ def _crash_loop(g, pod: dict, data: dict) -> None:
     before = int(g.show(UNIT, "NRestarts") or 0)
     # the unit's only process is its main process: read from the unit's cgroup, which costs no
     # systemctl call (each takes a while under TCG) between a start and its kill
-    procs = os.path.join(G.CGROOT, g.show(UNIT, "ControlGroup").lstrip("/"), "cgroup.procs")
+    procs = os.path.join(CGROOT, g.show(UNIT, "ControlGroup").lstrip("/"), "cgroup.procs")
     first = _main_pid(g)
     kills: list[dict] = []
     killed: set[int] = set()
@@ -186,7 +186,7 @@ def _crash_loop(g, pod: dict, data: dict) -> None:
     data["kills"] = kills
     data["kill_span_s"] = span
     data["kills_in_densest_10s"] = densest
-    G.log(f"install: {len(kills)} SIGKILLs of the main process within {span} s ({densest} within 10 s)")
+    log(f"install: {len(kills)} SIGKILLs of the main process within {span} s ({densest} within 10 s)")
     # Each kill waits for systemd's next start (RestartSec=500ms, then a fork): under TCG on a busy
     # host ten of them may take a little over 10 s. What a start limit would refuse is more than
     # DEFAULT_BURST starts within 10 s: the check asks for that, the span is reported.
@@ -200,7 +200,7 @@ def _crash_loop(g, pod: dict, data: dict) -> None:
     answered = None
     while time.time() - t < 180:
         if g.show(UNIT, "ActiveState") == "active":
-            cri = G.Cri(SOCK)
+            cri = Cri(SOCK)
             try:
                 version = cri.call("Version", pb.VersionRequest(), timeout=10)
                 listed = cri.call("ListContainers", pb.ListContainersRequest(), timeout=10)
@@ -219,7 +219,7 @@ def _crash_loop(g, pod: dict, data: dict) -> None:
                                           "StartLimitIntervalUSec", "StartLimitBurst", "RestartUSec")}
     data["after_crash_loop"] = state
     data["restarts_counted"] = int(state["NRestarts"] or 0) - before
-    G.log(f"install: after the kills {state}, serving again after {data['serving_again_s']} s")
+    log(f"install: after the kills {state}, serving again after {data['serving_again_s']} s")
     _check(g, "crash-loop", "the unit after the kills", f"systemctl show -p ActiveState,SubState {UNIT}",
            "active/running", f"{state['ActiveState']}/{state['SubState']}",
            f"StartLimitIntervalUSec={state['StartLimitIntervalUSec']}, Result={state['Result']}")
@@ -247,7 +247,7 @@ def _uninstall(g, checkout: str, data: dict) -> None:
     t = time.time()
     p = g.run(["bash", os.path.join(checkout, "deploy", "uninstall.sh"), "--purge"], check=False, timeout=300)
     data["uninstall_s"] = round(time.time() - t, 1)
-    G.log(f"install: deploy/uninstall.sh --purge exit {p.returncode} after {data['uninstall_s']} s")
+    log(f"install: deploy/uninstall.sh --purge exit {p.returncode} after {data['uninstall_s']} s")
     with open(os.path.join(g.logs, "uninstall.log"), "w") as f:
         f.write(p.stdout + p.stderr + f"exit {p.returncode}\n")
     _check(g, "uninstalled", "bash deploy/uninstall.sh --purge", "exit code", "0", p.returncode,

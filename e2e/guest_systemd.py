@@ -49,23 +49,20 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, CHECKOUT)
 
 import expect as X  # noqa: E402
-import guest as G  # noqa: E402  (Report, Cri, cg_read, InfraError, images, facts)
 import guest_install  # noqa: E402  (phase "install": deploy/install.sh, the crash loop, uninstall.sh)
+from guest_common import (  # noqa: E402
+    CGROOT, CONTAINERD_SOCK, Cri, InfraError, RUN, Report, SHIM_SOCK, T0, cg_read, log, read_audit
+)
+from guest_stack import guest_facts, load_stack, systemd_usable  # noqa: E402
 from guest_systemd_phases import NO_PATH, SCENARIO, SystemdPhases  # noqa: E402  (phases cgroupfs, dbus)
 
-CGROOT = G.CGROOT
-RUN = G.RUN
 MI = 1 << 20
 FACTOR = 0.9
 LEVEL_FILES = ("memory.min", "memory.low")
 
 
-def log(msg: str) -> None:
-    G.log(msg)
-
-
 class Guest(SystemdPhases):
-    def __init__(self, args, report: G.Report):
+    def __init__(self, args, report: Report):
         self.args = args
         self.report = report
         self.logs = os.path.join(args.out, "logs")
@@ -92,10 +89,10 @@ class Guest(SystemdPhases):
         t = time.time()
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         with open(self.cmdlog, "a") as f:
-            f.write(f"[t+{t - G.T0:.1f}s {time.time() - t:.2f}s] $ {' '.join(argv)}\n{p.stdout}{p.stderr}"
+            f.write(f"[t+{t - T0:.1f}s {time.time() - t:.2f}s] $ {' '.join(argv)}\n{p.stdout}{p.stderr}"
                     f"exit {p.returncode}\n")
         if check and p.returncode != 0:
-            raise G.InfraError(f"{' '.join(argv[:6])} failed ({p.returncode}): {(p.stderr or p.stdout).strip()[-400:]}")
+            raise InfraError(f"{' '.join(argv[:6])} failed ({p.returncode}): {(p.stderr or p.stdout).strip()[-400:]}")
         return p
 
     def busctl(self, method: str, signature: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -127,7 +124,7 @@ class Guest(SystemdPhases):
         deadline = time.time() + 30
         while not os.path.isfile(os.path.join(CGROOT, path, "memory.min")):
             if time.time() > deadline:
-                raise G.InfraError(f"slice {name}: no {CGROOT}/{path}/memory.min after 30 s")
+                raise InfraError(f"slice {name}: no {CGROOT}/{path}/memory.min after 30 s")
             time.sleep(0.1)
         return path
 
@@ -159,18 +156,18 @@ class Guest(SystemdPhases):
                   "-p", f"StandardOutput=append:{clog}", "-p", f"StandardError=append:{clog}",
                   "containerd", "--config", conf_path])
         deadline = time.time() + 240
-        while not os.path.exists(G.CONTAINERD_SOCK):
+        while not os.path.exists(CONTAINERD_SOCK):
             if time.time() > deadline:
-                raise G.InfraError(f"containerd: no socket after 240 s ({self.show('e2e-containerd', 'ActiveState')})")
+                raise InfraError(f"containerd: no socket after 240 s ({self.show('e2e-containerd', 'ActiveState')})")
             time.sleep(0.2)
         self.report.timing("containerd-start", time.time() - t)
         t = time.time()
         for name in ("pause.tar", "busybox.tar"):
             tar = os.path.join(self.args.images, name)
-            p = self.run(["ctr", "-a", G.CONTAINERD_SOCK, "-n", "k8s.io", "images", "import", tar], check=False,
+            p = self.run(["ctr", "-a", CONTAINERD_SOCK, "-n", "k8s.io", "images", "import", tar], check=False,
                          timeout=600)
             if p.returncode != 0:
-                raise G.InfraError(f"ctr images import {tar} failed: {p.stderr.strip()[-500:]}")
+                raise InfraError(f"ctr images import {tar} failed: {p.stderr.strip()[-500:]}")
         self.report.timing("images-import", time.time() - t)
 
     def start_shim(self, phase: str, writes: str) -> None:
@@ -178,28 +175,28 @@ class Guest(SystemdPhases):
         unit = f"memqos-shim-{phase}"
         self.audit_log = os.path.join(self.logs, f"{phase}-audit.jsonl")
         shim_log = os.path.join(self.logs, f"{phase}-shim.log")
-        os.makedirs(os.path.dirname(G.SHIM_SOCK), exist_ok=True)
-        if os.path.exists(G.SHIM_SOCK):
-            os.unlink(G.SHIM_SOCK)
+        os.makedirs(os.path.dirname(SHIM_SOCK), exist_ok=True)
+        if os.path.exists(SHIM_SOCK):
+            os.unlink(SHIM_SOCK)
         self.run(["systemd-run", f"--unit={unit}", "--collect", f"--working-directory={CHECKOUT}",
                   f"--setenv=PYTHONPATH={CHECKOUT}", "--setenv=PYTHONDONTWRITEBYTECODE=1",
                   f"--setenv=PATH={NO_PATH}",  # nothing to run (no systemctl, as in the image): D-Bus only
                   "-p", f"StandardOutput=append:{shim_log}", "-p", f"StandardError=append:{shim_log}",
-                  self.args.python, "-m", "shim", "serve", "--listen", f"unix://{G.SHIM_SOCK}",
-                  "--upstream", f"unix://{G.CONTAINERD_SOCK}", "--kubelet-config", self.kubelet_config,
+                  self.args.python, "-m", "shim", "serve", "--listen", f"unix://{SHIM_SOCK}",
+                  "--upstream", f"unix://{CONTAINERD_SOCK}", "--kubelet-config", self.kubelet_config,
                   "--cgroup-root", CGROOT, "--audit-log", self.audit_log, "--monitor-interval", "0",
                   "--resync-interval", f"{self.args.resync:g}", "--systemd-writes", writes])
         self.shim_unit = unit
         from shim.cri import api_pb2 as pb
 
         deadline = time.time() + 240
-        while not os.path.exists(G.SHIM_SOCK):
+        while not os.path.exists(SHIM_SOCK):
             if self.show(unit, "ActiveState") not in ("active", "activating"):
-                raise G.InfraError(f"shim unit {unit} is {self.show(unit, 'ActiveState')}: see {shim_log}")
+                raise InfraError(f"shim unit {unit} is {self.show(unit, 'ActiveState')}: see {shim_log}")
             if time.time() > deadline:
-                raise G.InfraError("memqos-shim: no socket after 240 s")
+                raise InfraError("memqos-shim: no socket after 240 s")
             time.sleep(0.3)
-        cri = G.Cri(G.SHIM_SOCK)
+        cri = Cri(SHIM_SOCK)
         try:
             while True:
                 try:
@@ -207,13 +204,13 @@ class Guest(SystemdPhases):
                     break
                 except cri.grpc.RpcError as e:
                     if time.time() > deadline:
-                        raise G.InfraError(f"memqos-shim does not answer Version: {e.code().name}") from None
+                        raise InfraError(f"memqos-shim does not answer Version: {e.code().name}") from None
                     time.sleep(0.5)
         finally:
             cri.close()
         self.report.timing(f"{phase}:shim-start", time.time() - t)
         log(f"{phase}: shim serving after {time.time() - t:.1f}s (--systemd-writes {writes})")
-        self.cri = G.Cri(G.SHIM_SOCK)
+        self.cri = Cri(SHIM_SOCK)
 
     def shim_pid(self) -> int:
         return int(self.show(self.shim_unit, "MainPID") or 0)
@@ -221,7 +218,7 @@ class Guest(SystemdPhases):
     def freeze_shim(self, frozen: bool) -> None:
         pid = self.shim_pid()
         if pid <= 0:
-            raise G.InfraError(f"shim unit {self.shim_unit} has no main process")
+            raise InfraError(f"shim unit {self.shim_unit} has no main process")
         os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def stop_shim(self) -> None:
@@ -233,7 +230,7 @@ class Guest(SystemdPhases):
             self.shim_unit = None
 
     def audit(self) -> list[dict]:
-        return G.read_audit(self.audit_log)
+        return read_audit(self.audit_log)
 
     def writer_of_shim(self) -> str:
         """The `writes` of the shim's reconciler-active audit record (waits for the record)."""
@@ -304,7 +301,7 @@ class Guest(SystemdPhases):
         from shim.cri import api_pb2 as pb
 
         pod = self.pods.pop(name)
-        cri = self.cri or G.Cri(G.CONTAINERD_SOCK)
+        cri = self.cri or Cri(CONTAINERD_SOCK)
         cri.call("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
         cri.call("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=pod["sandbox"]))
         self.busctl("StopUnit", "ss", pod["slice"], "replace")  # the kubelet destroys the pod cgroup
@@ -336,7 +333,7 @@ class Guest(SystemdPhases):
         return out
 
     def levels_match(self) -> bool:
-        return all(G.cg_read(path, f) == str(v) for _u, path, f, v, _w in self.level_expectations())
+        return all(cg_read(path, f) == str(v) for _u, path, f, v, _w in self.level_expectations())
 
     def wait_levels(self, limit: float) -> float | None:
         """Seconds until every pod/QoS/kubepods value reads as expected, None if not within limit."""
@@ -361,14 +358,14 @@ class Guest(SystemdPhases):
                      "memory.high": X.kernel_reads(e.high, pg), "memory.max": X.kernel_reads(e.max, pg)}
             for f, v in want.items():
                 self.check(step, f"container {p['name']}/main ({p['qos']})", f"{CGROOT}/{p['scope']}/{f}", v,
-                           G.cg_read(p["scope"], f), json.dumps(e.why, sort_keys=True))
+                           cg_read(p["scope"], f), json.dumps(e.why, sort_keys=True))
             self.check(step, f"sandbox of {p['name']}", f"{CGROOT}/{p['sandbox_scope']}/memory.min", "0",
-                       G.cg_read(p["sandbox_scope"], "memory.min"), "the shim does not touch RunPodSandbox")
+                       cg_read(p["sandbox_scope"], "memory.min"), "the shim does not touch RunPodSandbox")
 
     def check_levels(self, step: str, note: str = "") -> None:
         for unit, path, f, v, why in self.level_expectations():
             self.check(step, f"{unit} ({note or 'pod/QoS/node level'})", f"{CGROOT}/{path}/{f}", v,
-                       G.cg_read(path, f), why)
+                       cg_read(path, f), why)
 
     def check_systemd_knows(self, step: str) -> None:
         for unit, _path, f, v, why in self.level_expectations():
@@ -411,21 +408,21 @@ class Guest(SystemdPhases):
                 "right_at_end": self.levels_match()}
 
     def snapshot(self, title: str) -> None:
-        lines = [f"### {self.phase}: {title} (t+{time.time() - G.T0:.1f}s)"]
+        lines = [f"### {self.phase}: {title} (t+{time.time() - T0:.1f}s)"]
         base = os.path.join(CGROOT, "kubepods.slice")
         for root, dirs, _files in os.walk(base):
             dirs.sort()
             rel = root[len(CGROOT) + 1:]
-            vals = " ".join(f"{k}={G.cg_read(rel, 'memory.' + k)}" for k in ("min", "low", "high", "max"))
+            vals = " ".join(f"{k}={cg_read(rel, 'memory.' + k)}" for k in ("min", "low", "high", "max"))
             lines.append(f"{rel} {vals}")
         with open(os.path.join(self.logs, "systemd-cgroups.txt"), "a") as f:
             f.write("\n".join(lines) + "\n")
 
     # -- the phases
     def setup(self) -> None:
-        ok, why = G.systemd_usable()
+        ok, why = systemd_usable()
         if not ok:
-            raise G.InfraError(why)
+            raise InfraError(why)
         self.report.data["guest"]["systemd"] = self.run(["systemctl", "--version"]).stdout.splitlines()[0]
         t = time.time()
         self.start_slice("kubepods.slice", [("MemoryMax", "t", str(self.node.allocatable))])
@@ -464,8 +461,8 @@ def main(argv: list[str]) -> int:
     os.makedirs(logs, exist_ok=True)
     with open(os.path.join(args.out, "guest-started"), "w") as f:
         f.write(f"{time.time()}\n")
-    report = G.Report(args.out)
-    report.data["guest"] = G.guest_facts(G.load_stack(""))  # the image's containerd and runc, from PATH
+    report = Report(args.out)
+    report.data["guest"] = guest_facts(load_stack(""))  # the image's containerd and runc, from PATH
     report.data["guest"]["uptime_at_start_s"] = float(open("/proc/uptime").read().split()[0])
     report.data["shim_checkout"] = CHECKOUT
     report.save()
@@ -478,7 +475,7 @@ def main(argv: list[str]) -> int:
                 phase()
             finally:
                 report.save()
-    except G.InfraError as e:
+    except InfraError as e:
         report.data["errors"].append(f"{g.phase or 'setup'}: {e}")
         log(f"INFRA ERROR: {e}")
     except Exception:  # noqa: BLE001
@@ -491,7 +488,7 @@ def main(argv: list[str]) -> int:
             log(f"teardown: {e}")
         failed = sum(1 for c in report.data["checks"] if not c["pass"])
         report.data["status"] = "error" if report.data["errors"] else ("fail" if failed else "pass")
-        report.timing("guest-total", time.time() - G.T0)
+        report.timing("guest-total", time.time() - T0)
         report.save()
     s = report.data["summary"]
     log(f"status {report.data['status']}: {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped")

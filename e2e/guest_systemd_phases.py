@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import expect as X
-import guest as G
+from guest_common import cg_read
 from guest_common import CGROOT, CHECKOUT, MI
 
 SCENARIO = "systemd"
@@ -74,7 +74,7 @@ class SystemdPhases:
         for unit, path, f, v, why in self.level_expectations():
             if v == 0:
                 continue
-            actual = G.cg_read(path, f)
+            actual = cg_read(path, f)
             self.check("disturbed", f"{unit}: a value written to cgroupfs, after daemon-reload + SetUnitProperties",
                        f"{CGROOT}/{path}/{f}", "0 (reset by systemd)", actual,
                        f"the shim wrote {v} to the file; systemd knows MemoryMin={self.show(unit, 'MemoryMin')} and "
@@ -175,6 +175,6 @@ class SystemdPhases:
                 self.disturb()
             self.snapshot(step)
             for unit, path, f, _v, _why in self.level_expectations():
-                self.check(step, f"{unit} after memqos-shim reset", f"{CGROOT}/{path}/{f}", "0", G.cg_read(path, f),
+                self.check(step, f"{unit} after memqos-shim reset", f"{CGROOT}/{path}/{f}", "0", cg_read(path, f),
                            "reset sets every managed value to 0" +
                            ("; and systemd keeps 0 after daemon-reload + SetUnitProperties" if step != "reset" else ""))

@@ -21,6 +21,8 @@ import math
 import signal
 import time
 
+from guest_common import Cri, SHIM_SOCK, Shim, T0, read_audit
+
 ROUNDS = 3
 PER_BLOCK = 25
 MODES = ("none", "nri", "proxy")
@@ -87,9 +89,7 @@ class Bench:
     """Runs on an NriScenario after its other steps (the plugin registered, the pods running)."""
 
     def __init__(self, nri, rounds: int = ROUNDS, per_block: int = PER_BLOCK):
-        import guest as G  # noqa: E402 (guest.py registers itself under this name)
-
-        self.G, self.s = G, nri
+        self.s = nri
         self.rounds, self.per_block = rounds, per_block
         self.samples: dict[str, list[float]] = {m: [] for m in MODES}
         self.errors: dict[str, list[str]] = {m: [] for m in MODES}
@@ -107,7 +107,7 @@ class Bench:
             self.seq += 1
             req.config.metadata.name = f"bench-{mode}-{self.seq}"
             self.s.nri.replayer._prepare_host("CreateContainer", req)
-            at = time.time() - self.G.T0
+            at = time.time() - T0
             t = time.perf_counter()
             try:
                 created = cri.call("CreateContainer", req)
@@ -125,16 +125,16 @@ class Bench:
     def run(self) -> dict:
         from shim.cri import api_pb2 as pb
 
-        G, s = self.G, self.s
+        s = self.s
         t_all = time.time()
         run_req, create_req = s.clone_pod("bead", "-bench")
         s.nri.replayer._prepare_host("RunPodSandbox", run_req)
         sandbox = s.nri.direct.call("RunPodSandbox", run_req)
         create_req.pod_sandbox_id = sandbox.pod_sandbox_id
-        proxy = G.Shim(s.args.python, s.logs, "nri-bench-proxy", s.nri.kubelet_config,
-                       s.plugin.args[s.plugin.args.index("--meminfo") + 1])
+        proxy = Shim(s.args.python, s.logs, "nri-bench-proxy", s.nri.kubelet_config,
+                     s.plugin.args[s.plugin.args.index("--meminfo") + 1])
         proxy.start()
-        proxy_cri = G.Cri(G.SHIM_SOCK)
+        proxy_cri = Cri(SHIM_SOCK)
         proxy_cri.call("Version", pb.VersionRequest())  # the channel connected before any timing
         clients = {"none": s.nri.direct, "nri": s.nri.direct, "proxy": proxy_cri}
         audited_before = len(self.handler_records())
@@ -156,7 +156,7 @@ class Bench:
         handler = [r["handler_us"] for r in self.handler_records()[audited_before:] if "handler_us" in r]
         result = summarize(self.samples, handler)
         result.update(rounds=self.rounds, per_block=self.per_block, seconds=round(time.time() - t_all, 1),
-                      errors={m: e[:5] for m, e in self.errors.items() if e}, calls=self.calls, t0=self.G.T0,
+                      errors={m: e[:5] for m, e in self.errors.items() if e}, calls=self.calls, t0=T0,
                       slowest={m: slowest(c) for m, c in self.calls.items()})
         want = self.rounds * self.per_block
         for mode in MODES:
@@ -168,5 +168,5 @@ class Bench:
         return result
 
     def handler_records(self) -> list[dict]:
-        return [r for r in self.G.read_audit(self.s.plugin.audit_log)
+        return [r for r in read_audit(self.s.plugin.audit_log)
                 if r.get("method") == "CreateContainer" and str(r.get("container", "")).startswith("bench-nri-")]

@@ -27,7 +27,7 @@ import subprocess
 import time
 
 import expect as X  # noqa: E402
-import guest as G  # noqa: E402
+from guest_common import CGROOT, RUN, cg_read  # noqa: E402
 
 EJECTED = ("closing plugin", "deadline exceeded")
 BURNER = "while :; do :; done"
@@ -86,7 +86,7 @@ class Disturbances:
                     want[f"{pod['parent']}/{cid}"] = X.kernel_reads(c["exp"].min, nri.node.page)
         t = time.time()
         while time.time() - t < self.s.args.settle:
-            if all(G.cg_read(p, "memory.min") == v for p, v in want.items()):
+            if all(cg_read(p, "memory.min") == v for p, v in want.items()):
                 break
             time.sleep(0.2)
         return time.time() - t
@@ -164,7 +164,7 @@ class Disturbances:
             kc = json.load(f)
         kc["featureGates"] = {**(kc.get("featureGates") or {}), "MemoryQoS": True}
         kc["memoryThrottlingFactor"] = 0.8
-        path = os.path.join(G.RUN, "nri", "kubelet-config-gate-on.yaml")
+        path = os.path.join(RUN, "nri", "kubelet-config-gate-on.yaml")
         with open(path, "w") as f:
             json.dump(kc, f)
         syncs = len(plugin.events("nri-synchronize"))
@@ -186,8 +186,8 @@ class Disturbances:
         for cid, pod in ((first, p1), (second, p2)):
             for key, value in kubelets.items():
                 self.check("gate-on kubelet", f"{pod['parent']}/{cid[:12]} {key}",
-                           f"{G.CGROOT}{pod['parent']}/{cid}/{key}", value,
-                           G.cg_read(f"{pod['parent']}/{cid}", key),
+                           f"{CGROOT}{pod['parent']}/{cid}/{key}", value,
+                           cg_read(f"{pod['parent']}/{cid}", key),
                            "the kubelet writes this key (gate on): NRI mode leaves it, nothing in force is lowered",
                            "cgroupfs")
         self.intended += len(ejections(self.s.logs)) - before

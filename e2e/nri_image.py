@@ -23,8 +23,9 @@ import time
 
 import yaml
 
-import guest as G  # noqa: E402  (guest.py registers itself under this name)
-from nri_scenario import Plugin
+from guest_common import CONTAINERD_SOCK, InfraError, RUN  # noqa: E402
+from guest_stack import load_stack  # noqa: E402
+from nri_plugin import Plugin
 
 NS = "memqos-e2e"
 CID = "memqos-shim-nri"
@@ -41,7 +42,7 @@ UNITS = {"": 1, "k": 1000, "M": 1000 ** 2, "G": 1000 ** 3, "Ki": 1024, "Mi": 102
 def quantity(q: str) -> int:
     m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|k|M|G|)", str(q))
     if not m:
-        raise G.InfraError(f"memory quantity {q!r} not understood")
+        raise InfraError(f"memory quantity {q!r} not understood")
     return int(m.group(1)) * UNITS[m.group(2)]
 
 
@@ -65,7 +66,7 @@ def translate(docs: list[dict], sources: dict[str, str], overrides: dict, work: 
     spec = ds["spec"]["template"]["spec"]
     (c,) = [x for x in spec["containers"] if x["name"] == CONTAINER]
     if spec.get("hostPID") or spec.get("hostIPC"):
-        raise G.InfraError("hostPID / hostIPC are not translated")
+        raise InfraError("hostPID / hostIPC are not translated")
     vols = {v["name"]: v for v in spec.get("volumes", [])}
     mounts = []
     for m in c.get("volumeMounts", []):
@@ -77,7 +78,7 @@ def translate(docs: list[dict], sources: dict[str, str], overrides: dict, work: 
             if kind == "DirectoryOrCreate":
                 os.makedirs(src, exist_ok=True)
             elif kind == "Directory" and not os.path.isdir(src) or kind == "File" and not os.path.isfile(src):
-                raise G.InfraError(f"hostPath {path} ({kind}): {src} missing in the guest")
+                raise InfraError(f"hostPath {path} ({kind}): {src} missing in the guest")
         elif "configMap" in v:
             src = os.path.join(work, "configmap-" + v["name"])
             os.makedirs(src, exist_ok=True)
@@ -91,13 +92,13 @@ def translate(docs: list[dict], sources: dict[str, str], overrides: dict, work: 
             shutil.rmtree(src, ignore_errors=True)
             os.makedirs(src)
         else:
-            raise G.InfraError(f"volume {v['name']}: kind not translated ({sorted(v)})")
+            raise InfraError(f"volume {v['name']}: kind not translated ({sorted(v)})")
         mounts.append({"src": src, "dst": m["mountPath"], "ro": bool(m.get("readOnly"))})
     sc = c.get("securityContext", {})
     drop = sc.get("capabilities", {}).get("drop", [])
     caps = DEFAULT_CAPS if "ALL" in drop else [x if x.startswith("CAP_") else "CAP_" + x for x in drop]
     if sc.get("capabilities", {}).get("add"):
-        raise G.InfraError("capabilities.add is not translated")
+        raise InfraError("capabilities.add is not translated")
     return {
         "image": image_ref(c["image"]), "command": c["command"] + c.get("args", []),
         "env": [f"{e['name']}={e['value']}" for e in c.get("env", [])],
@@ -165,7 +166,7 @@ class ImagePlugin(Plugin):
             self.info = json.load(f)
         with open(self.info["manifests"]) as f:
             docs = [d for d in yaml.safe_load_all(f) if d]
-        self.work = os.path.join(G.RUN, "nri-image")
+        self.work = os.path.join(RUN, "nri-image")
         os.makedirs(self.work, exist_ok=True)
         self.spec = translate(docs, {"/var/lib/kubelet/config.yaml": kubelet_config},
                               {"audit-log": f"{AUDIT_DIR}/nri-audit.jsonl", "meminfo": MEMINFO}, self.work)
@@ -174,13 +175,13 @@ class ImagePlugin(Plugin):
         t = time.time()
         p = self.ctr("images", "import", self.info["archive"], timeout=900)
         if p.returncode != 0:
-            raise G.InfraError(f"ctr images import {self.info['archive']} failed: {p.stderr.strip()[-500:]}")
+            raise InfraError(f"ctr images import {self.info['archive']} failed: {p.stderr.strip()[-500:]}")
         self.import_s = time.time() - t
         if self.spec["image"] not in self.ctr("images", "ls", "-q").stdout.split():
-            raise G.InfraError(f"{self.spec['image']} (the DaemonSet's image) not in the archive: {p.stdout[-300:]}")
+            raise InfraError(f"{self.spec['image']} (the DaemonSet's image) not in the archive: {p.stdout[-300:]}")
 
     def ctr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        p = subprocess.run([self.ctr_bin, "-a", G.CONTAINERD_SOCK, "-n", NS, *args],
+        p = subprocess.run([self.ctr_bin, "-a", CONTAINERD_SOCK, "-n", NS, *args],
                            capture_output=True, text=True, timeout=timeout)
         with open(self.log, "a") as f:
             f.write(f"$ ctr -n {NS} {' '.join(args)}\n{p.stdout}{p.stderr}exit {p.returncode}\n")
@@ -191,11 +192,11 @@ class ImagePlugin(Plugin):
         self.ctr("containers", "delete", CID)
         p = self.ctr(*ctr_run_args(self.spec, self.extra, "file://" + os.path.join(self.logs, "nri-plugin-container.log")))
         if p.returncode != 0:
-            raise G.InfraError(f"ctr run of {self.spec['image']} failed: {p.stderr.strip()[-500:]}")
+            raise InfraError(f"ctr run of {self.spec['image']} failed: {p.stderr.strip()[-500:]}")
         rows = [line.split() for line in self.ctr("tasks", "ls").stdout.splitlines()[1:]]
         pids = [int(r[1]) for r in rows if len(r) >= 3 and r[0] == CID]
         if not pids:
-            raise G.InfraError(f"ctr run of {self.spec['image']}: no task {CID}")
+            raise InfraError(f"ctr run of {self.spec['image']}: no task {CID}")
         self.proc = Task(self, pids[0])
 
     def use_kubelet_config(self, path: str) -> str:
@@ -250,5 +251,5 @@ def plugin_for(args, logs: str, kubelet_config: str, meminfo: str):
     """The image's plugin when the run has one (--nri-image), else None (the checkout's process)."""
     if not getattr(args, "nri_image", ""):
         return None
-    ctr = G.load_stack(args.stack)["ctr"] if args.stack else shutil.which("ctr") or "ctr"
+    ctr = load_stack(args.stack)["ctr"] if args.stack else shutil.which("ctr") or "ctr"
     return ImagePlugin(args.nri_image, ctr, logs, kubelet_config, meminfo)

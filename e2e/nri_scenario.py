@@ -29,68 +29,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import expect as X  # noqa: E402
-import guest as G  # noqa: E402  (guest.py registers itself under this name)
+from guest_common import (  # noqa: E402
+    CGROOT, CREATE_PHASE, Cri, InfraError, NODE_CALLS, RUN, SHIM_SOCK, cg_read, cg_write, log
+)
+from guest_replay import Replayer, short, substitute_ids  # noqa: E402
+from guest_traces import Scenario  # noqa: E402
+from nri_plugin import Plugin  # noqa: E402
 
-NRI_SOCK = "/var/run/nri/nri.sock"
 SCN = "nri"
 SAMPLE_INTERVAL = 0.1
-
-
-class Plugin:
-    """`memqos-shim nri` as a process of the guest."""
-
-    def __init__(self, python: str, logs: str, kubelet_config: str, meminfo: str):
-        self.python = python
-        self.audit_log = os.path.join(logs, "nri-audit.jsonl")
-        self.log = os.path.join(logs, "nri-plugin.log")
-        self.args = ["nri", "--nri-socket", NRI_SOCK, "--kubelet-config", kubelet_config,
-                     "--cgroup-root", G.CGROOT, "--meminfo", meminfo, "--audit-log", self.audit_log,
-                     "--log-level", "debug"]  # each runtime call's times and each loop hold-up in its log
-        self.proc: subprocess.Popen | None = None
-
-    def events(self, event: str) -> list[dict]:
-        return [r for r in G.read_audit(self.audit_log) if r.get("event") == event]
-
-    def use_kubelet_config(self, path: str) -> str:
-        """Read the KubeletConfiguration at ``path`` from the next start on; returns the one before."""
-        at = self.args.index("--kubelet-config") + 1
-        before, self.args[at] = self.args[at], path
-        return before
-
-    def start(self) -> None:
-        with open(self.log, "a") as f:
-            f.write(f"==== start t+{time.time() - G.T0:.1f}s: {self.python} -m shim {' '.join(self.args)}\n")
-        env = dict(os.environ, PYTHONPATH=G.CHECKOUT, PYTHONDONTWRITEBYTECODE="1")
-        self.proc = G.spawn([self.python, "-m", "shim", *self.args], "system.slice/memqos-shim.app.service",
-                            self.log, env=env, cwd=G.CHECKOUT)
-
-    def wait_synced(self, count: int, timeout: float = 240) -> float:
-        """Until the audit holds `count` Synchronize records; the seconds it took."""
-        t = time.time()
-        while len(self.events("nri-synchronize")) < count:
-            if self.proc.poll() is not None:
-                raise G.InfraError(f"memqos-shim nri exited with code {self.proc.returncode} (log {self.log})")
-            if time.time() - t > timeout:
-                raise G.InfraError(f"memqos-shim nri: no Synchronize #{count} after {timeout:.0f} s "
-                                   f"(containerd.log / {self.log})")
-            time.sleep(0.2)
-        return time.time() - t
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-        with open(self.log, "a") as f:
-            f.write(f"==== signal {sig} t+{time.time() - G.T0:.1f}s\n")
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 class Sampler(threading.Thread):
@@ -106,7 +57,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self.halt.is_set():
             for p in self.paths:
-                v = G.cg_read(p, "memory.min")
+                v = cg_read(p, "memory.min")
                 n = int(v) if v.isdigit() else -1  # a cgroup gone or unreadable counts as a drop
                 if self.lowest[p] is None or n < self.lowest[p]:
                     self.lowest[p] = n
@@ -126,7 +77,7 @@ def containerd_lines(logs: str, needle: str) -> list[str]:
         return []
 
 
-def values(scn: G.Scenario) -> dict[str, str]:
+def values(scn: Scenario) -> dict[str, str]:
     """cgroup (named by pod case and container name, the same in both modes) -> value read."""
     import json
 
@@ -144,10 +95,10 @@ def values(scn: G.Scenario) -> dict[str, str]:
                     out[f"{key} (init, runtime spec) {k}"] = unified.get(k, "(absent)")
                 continue
             for k in ("memory.min", "memory.high", "memory.max"):
-                out[f"{key} {k}"] = G.cg_read(f"{pod['parent']}/{c['id']}", k)
-        out[f"{pod['parent']} memory.min"] = G.cg_read(pod["parent"], "memory.min")
+                out[f"{key} {k}"] = cg_read(f"{pod['parent']}/{c['id']}", k)
+        out[f"{pod['parent']} memory.min"] = cg_read(pod["parent"], "memory.min")
     for path in ("/kubepods/burstable", "/kubepods/besteffort", "/kubepods"):
-        out[f"{path} memory.min"] = G.cg_read(path, "memory.min")
+        out[f"{path} memory.min"] = cg_read(path, "memory.min")
     return out
 
 
@@ -159,15 +110,15 @@ class NriScenario:
         self.trace_path, self.reconciler = trace_path, reconciler
         self.containerd, self.restart_containerd = containerd, restart_containerd
         self.logs = os.path.join(args.out, "logs")
-        self.proxy: G.Scenario | None = None
-        self.nri: G.Scenario | None = None
+        self.proxy: Scenario | None = None
+        self.nri: Scenario | None = None
         self.plugin: Plugin | None = None
         self.summary: list[str] = []
         report.data["nri"] = {"summary": self.summary, "table": []}
 
     def note(self, line: str) -> None:
         self.summary.append(line)
-        G.log(f"nri: {line}")
+        log(f"nri: {line}")
 
     def check(self, step, subject, file, expected, actual, why="", source="nri", ok=None) -> bool:
         return self.report.check(SCN, step, subject, file, expected, actual, why, source, ok)
@@ -182,7 +133,7 @@ class NriScenario:
 
         from shim.cri import api_pb2 as pb
 
-        name = G.short(c["method"])
+        name = short(c["method"])
         if name not in ("RunPodSandbox", "CreateContainer"):
             return c
         req = getattr(pb, name + "Request").FromString(base64.b64decode(c["request"]))
@@ -194,20 +145,20 @@ class NriScenario:
         return dict(c, request=base64.b64encode(req.SerializeToString()).decode())
 
     @classmethod
-    def create(cls, scn: G.Scenario, cri: G.Cri, next_attempt: bool = False) -> None:
-        scn.replayer = G.Replayer(cri, scn.trace, scn.report, scn.name)
+    def create(cls, scn: Scenario, cri: Cri, next_attempt: bool = False) -> None:
+        scn.replayer = Replayer(cri, scn.trace, scn.report, scn.name)
         scn.replayer.after_call = scn.kubelet_waits
         boundary = scn.trace.removal_start()
         calls = [c for c in scn.trace.calls if c["code"] == "OK" and c["method"].startswith("/runtime.v1.")
-                 and G.short(c["method"]) in G.NODE_CALLS + G.CREATE_PHASE and c["start"] < boundary]
+                 and short(c["method"]) in NODE_CALLS + CREATE_PHASE and c["start"] < boundary]
         if next_attempt:
             calls = [cls.next_attempt(c) for c in calls]
         done = sorted(scn.replayer.run_phase(calls, "create"), key=lambda t: t[0]["start"])
         for c, req, resp in done:
-            if G.short(c["method"]) == "RunPodSandbox":
+            if short(c["method"]) == "RunPodSandbox":
                 scn.model.add_sandbox(req, resp)
         for c, req, resp in done:
-            if G.short(c["method"]) == "CreateContainer":
+            if short(c["method"]) == "CreateContainer":
                 scn.model.add_container(req, resp)
         scn.wait_containers()
 
@@ -225,10 +176,10 @@ class NriScenario:
         # 1. proxy mode: the same boot's replay of this trace ("created" step), else replayed here
         proxy_values = self.proxy_values
         if proxy_values is None:
-            self.proxy = G.Scenario(self.args, self.report, self.trace_path, "nri-proxy", self.reconciler)
+            self.proxy = Scenario(self.args, self.report, self.trace_path, "nri-proxy", self.reconciler)
             self.proxy.report.data["scenarios"].append({"name": "nri-proxy", "trace": self.trace_path})
             self.proxy.shim.start()
-            self.proxy.shim_cri = G.Cri(G.SHIM_SOCK)
+            self.proxy.shim_cri = Cri(SHIM_SOCK)
             self.create(self.proxy, self.proxy.shim_cri)
             self.proxy.check_all("created (proxy mode)")
             proxy_values = values(self.proxy)
@@ -239,11 +190,11 @@ class NriScenario:
             self.note("proxy mode's values: this boot's replay of the same trace, its 'created' step")
 
         # 2. NRI mode: the plugin, then the same requests straight at containerd
-        self.nri = G.Scenario(self.args, self.report, self.trace_path, SCN, self.reconciler)
+        self.nri = Scenario(self.args, self.report, self.trace_path, SCN, self.reconciler)
         self.report.data["scenarios"].append({"name": SCN, "trace": self.trace_path})
         import nri_image  # the image's plugin with --nri-image (scripts/e2e-vm --plugin-image)
 
-        meminfo = os.path.join(G.RUN, SCN, "meminfo")
+        meminfo = os.path.join(RUN, SCN, "meminfo")
         self.plugin = nri_image.plugin_for(self.args, self.logs, self.nri.kubelet_config, meminfo) or \
             Plugin(self.args.python, self.logs, self.nri.kubelet_config, meminfo)
         self.plugin.start()
@@ -266,7 +217,7 @@ class NriScenario:
             self.check("same as proxy mode", key, key, p, n, "the value proxy mode gave the same pod")
         with open(os.path.join(self.logs, "nri-table.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
-        G.log("nri: values by mode\n" + "\n".join(lines))
+        log("nri: values by mode\n" + "\n".join(lines))
         self.summary.append(f"values by mode: {sum(r['proxy'] == r['nri'] for r in table)}/{len(table)} equal "
                             "(logs/nri-table.txt)")
 
@@ -291,7 +242,7 @@ class NriScenario:
     def kill_restart(self) -> None:
         # 3a. SIGKILL and restart while sampling: no memory.min may drop
         paths = self.min_paths()
-        before = {p: int(G.cg_read(p, "memory.min")) for p in paths}
+        before = {p: int(cg_read(p, "memory.min")) for p in paths}
         sampler = Sampler(paths)
         sampler.start()
         syncs = len(self.plugin.events("nri-synchronize"))
@@ -304,7 +255,7 @@ class NriScenario:
         dropped = [p for p in paths if sampler.lowest[p] < before[p]]
         for p in paths:
             self.check("plugin SIGKILL + restart", f"{p} memory.min, lowest of {sampler.samples} samples",
-                       f"{G.CGROOT}{p}/memory.min", f">= {before[p]}", str(sampler.lowest[p]),
+                       f"{CGROOT}{p}/memory.min", f">= {before[p]}", str(sampler.lowest[p]),
                        "sampled every 0.1 s from the kill to 3 s after the new Synchronize; no pod left",
                        "cgroupfs sampler", ok=sampler.lowest[p] >= before[p])
         self.note(f"SIGKILL + restart: Synchronize after {dt:.1f}s, {sampler.samples} samples of {len(paths)} "
@@ -315,7 +266,7 @@ class NriScenario:
         self.plugin.signal(signal.SIGKILL)
         drifted = [pod["parent"] for pod in self.nri.model.live_pods().values() if pod["qos"] == X.BURSTABLE][:1]
         for path in drifted + ["/kubepods/burstable"]:
-            G.cg_write(path, "memory.min", "0")
+            cg_write(path, "memory.min", "0")
         self.note(f"wrote memory.min=0 to {drifted + ['/kubepods/burstable']} with the plugin down")
         self.plugin.start()
         self.plugin.wait_synced(syncs + 1)
@@ -334,7 +285,7 @@ class NriScenario:
         for c in tr.calls:
             if c["code"] != "OK":
                 continue
-            m = G.short(c["method"])
+            m = short(c["method"])
             if m == "RunPodSandbox":
                 r = pb.RunPodSandboxRequest.FromString(base64.b64decode(c["request"]))
                 if (r.config.labels.get("case") or r.config.metadata.name) == "qos-burstable-limit":
@@ -344,7 +295,7 @@ class NriScenario:
                 if r.sandbox_config.metadata.uid == run_req.config.metadata.uid and r.config.metadata.name == "main":
                     create_req = r
         if run_req is None or create_req is None:
-            raise G.InfraError("no qos-burstable-limit/main in the trace")
+            raise InfraError("no qos-burstable-limit/main in the trace")
         old = run_req.config.metadata.uid
         new = old[:-4] + tail
 
@@ -357,7 +308,7 @@ class NriScenario:
         run_req.config.metadata.name += name_suffix
         create_req.sandbox_config.metadata.name += name_suffix
         with self.nri.replayer.lock:
-            G.substitute_ids(create_req, dict(self.nri.replayer.idmap))
+            substitute_ids(create_req, dict(self.nri.replayer.idmap))
         return run_req, create_req
 
     def stopped_plugin(self) -> None:
@@ -409,10 +360,10 @@ class NriScenario:
         want = X.kernel_reads(self.nri.model.pods[run_req.config.metadata.uid]["containers"][created.container_id]
                               ["exp"].min, self.nri.node.page)
         t = time.time()
-        while G.cg_read(late, "memory.min") != want and time.time() - t < self.args.settle:
+        while cg_read(late, "memory.min") != want and time.time() - t < self.args.settle:
             time.sleep(0.2)
         self.note(f"SIGCONT: plugin reconnected and synchronized after {dt:.1f}s; the late container's "
-                  f"memory.min read {G.cg_read(late, 'memory.min')} {time.time() - t:.1f}s later")
+                  f"memory.min read {cg_read(late, 'memory.min')} {time.time() - t:.1f}s later")
         self.nri.check_all("plugin continued (SIGCONT): the late pod caught up")
 
     def containerd_restart(self) -> None:

@@ -1,3 +1,3 @@
-from shim.app.cli import main
+from shim.cli.main import main
 
 raise SystemExit(main())

@@ -214,7 +214,7 @@ class ServiceThread:
     """The real Service (from `serve` flags) on its own event loop in a thread."""
 
     def __init__(self, argv: list[str]):
-        from shim.app.cli import build_parser
+        from shim.cli.main import build_parser
         from shim.app.config import resolve
         from shim.app.service import Service
 

@@ -78,7 +78,7 @@ def test_beyond_max_pending_a_calls_work_is_dropped_and_counted_in_the_metrics()
 
 
 def test_the_setting_bounds_serves_finisher():
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
     from shim.app.config import resolve
 
     cfg = resolve(build_parser().parse_args(["serve"]))

@@ -241,3 +241,47 @@ def test_a_restarted_serve_keeps_each_containers_class_for_updates_and_sums(tmp_
         assert tree.get(tree.kubepods) == 32 * MI
     finally:
         s.close()
+
+
+def test_the_monitor_reclaims_for_a_class_that_asks_and_reads_swap_for_a_swap_class(tmp_path):
+    """The real monitor over a fake cgroupfs: the node's reclaim is off, the batch class's on; the
+    swap class's container has its memory.swap.current read and carried on its guard record."""
+    import dataclasses
+
+    from shim.decision.reclaim import ReclaimConfig
+    from tests.test_metrics import CID, CID2, Clock, fake_root, pressure_text, ref, write_cgroup
+    from tests.test_reclaim_monitor import FakeKernel, container
+
+    root = fake_root(tmp_path)
+    batch_dir = container(root, CID)
+    plain_dir = container(root, CID2)
+    settings = rewriter([]).class_settings
+    refs = [dataclasses.replace(ref(CID), cls="batch"), ref(CID2, name="other")]
+    clock, kernel, records = Clock(), FakeKernel(), []
+    m = Monitor(cgroup_root=str(root), kubelet=__import__("shim.node.facts", fromlist=["KubeletFacts"]).KubeletFacts(
+                    source="test", cgroup_driver="cgroupfs"), guard=GuardConfig(window=10.0), interval=5.0,
+                emit=records.append, sources=[lambda: list(refs)], clock=clock, reclaim=ReclaimConfig(),
+                page_size=4096, class_settings={k: v for k, v in settings.items() if k}, reclaim_default=False)
+    m.fs._write_value = kernel
+    for _ in range(2):
+        m.tick()
+        clock.t += 5
+    assert [w[0] for w in kernel.writes] == [str(batch_dir)]  # the class's reclaim only
+    assert (plain_dir / "memory.current").read_text() == f"{95 * MI}\n"
+    # a swap-class container crawling at memory.high while it swaps out: no relaxation
+    swap_ref = dataclasses.replace(ref(CID2, name="other"), cls="swappy")
+    refs[:] = [swap_ref]
+    write_cgroup(plain_dir, current=100 * MI, min=16 * MI, high=100 * MI, max=200 * MI, events={"high": 5},
+                 pressure=pressure_text(0.5, 90.0))
+    for i in range(6):
+        (plain_dir / "memory.swap.current").write_text(f"{i * 8 * MI}\n")
+        m.tick()
+        clock.t += 5
+    assert (plain_dir / "memory.high").read_text().strip() == str(100 * MI)
+    assert m.snapshot().readings[0].swap_current == 5 * 8 * MI
+    for _ in range(4):  # swap stops growing: the crawl counts, the guard relaxes memory.high
+        m.tick()
+        clock.t += 5
+    assert (plain_dir / "memory.high").read_text().strip() == "max"
+    (relax,) = [r for r in records if r["event"] == "guard-relax"]
+    assert relax["class"] == "swappy" and relax["memory_swap_current"] == 5 * 8 * MI

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.app.cli import build_parser
+from shim.cli.main import build_parser
 from shim.app.config import FILE, OPTIONS, ConfigError, add_arguments, reread, resolve
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -290,7 +290,7 @@ def test_exit_code_zero_without_fail(node, capsys, monkeypatch):
 
 
 def test_cli_registers_doctor():
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
 
     args = build_parser().parse_args(["doctor", "--cgroup-root", "/x"])
     assert args.func is cmd_doctor

@@ -140,13 +140,13 @@ def test_pod_sums_match_the_kubelets_own_memory_qos():
 
 def test_guest_maps_recorded_ids_everywhere():
     from shim.cri import api_pb2 as pb
-    import guest
+    import guest_replay
 
     req = pb.CreateContainerRequest(pod_sandbox_id="old-sb")
     req.config.image.image = "sha256:old"
     req.config.annotations["x"] = "old-sb"
     req.config.mounts.add(host_path="old-sb")
-    assert guest.substitute_ids(req, {"old-sb": "new-sb", "sha256:old": "sha256:new"}) == 4
+    assert guest_replay.substitute_ids(req, {"old-sb": "new-sb", "sha256:old": "sha256:new"}) == 4
     assert req.pod_sandbox_id == "new-sb" and req.config.image.image == "sha256:new"
     assert req.config.annotations["x"] == "new-sb" and req.config.mounts[0].host_path == "new-sb"
 
@@ -154,9 +154,9 @@ def test_guest_maps_recorded_ids_everywhere():
 def test_guard_scenario_memory_high_is_well_below_the_limit():
     """The guard scenario's container: request 16Mi, limit 96Mi, factor 0.25 -> memory.high
     36Mi (the guest's 512M VM: MemTotal 466140 kB, as the suite's reports show)."""
-    import guest
+    import guest_guard
 
-    G = guest.GuardScenario
+    G = guest_guard.GuardScenario
     node = X.Node(capacity=466140 * 1024, page=4096, factor=G.FACTOR)
     adj = 1000 - (1000 * G.REQUEST) // node.capacity
     e = X.container_expectation(X.BURSTABLE, G.LIMIT, adj, {"memory.min": str(G.REQUEST)}, node)
@@ -167,8 +167,8 @@ def test_guard_scenario_memory_high_is_well_below_the_limit():
 
 @pytest.mark.skipif(not shutil.which("gcc"), reason="no gcc")
 def test_hog_progress_as_the_guest_reads_it(tmp_path):
-    """e2e/hog.c's lines, as containerd writes them to the CRI log, parsed by the guest."""
-    import guest
+    """e2e/hog.c's lines, as containerd writes them to the CRI log, parsed by the guest_common."""
+    import guest_common
 
     binary = tmp_path / "hog"
     subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(binary),
@@ -178,21 +178,21 @@ def test_hog_progress_as_the_guest_reads_it(tmp_path):
     log = tmp_path / "0.log"
     log.write_text("".join(f"2026-01-01T00:00:00.{i:09d}Z stdout F {line}\n"
                            for i, line in enumerate(p.stdout.splitlines())))
-    got = guest.hog_progress(str(log))
+    got = guest_common.hog_progress(str(log))
     assert got["mib"] == 3 and got["done"] and got["lines"] == 5
     assert got["done_wall"] >= got["started_wall"] > 0
     assert subprocess.run([str(binary), "0"], capture_output=True).returncode == 2
 
 
 def test_guard_helpers_parse_kernel_files():
-    import guest
+    import guest_common
 
-    assert guest.parse_pressure("some avg10=80.10 avg60=1.00 avg300=0.20 total=1\n"
+    assert guest_common.parse_pressure("some avg10=80.10 avg60=1.00 avg300=0.20 total=1\n"
                                 "full avg10=77.74 avg60=1.00 avg300=0.20 total=2\n") == {"some": 80.1, "full": 77.74}
-    assert guest.parse_events("low 0\nhigh 718\nmax 3\noom 1\noom_kill 1\n")["oom_kill"] == 1
+    assert guest_common.parse_events("low 0\nhigh 718\nmax 3\noom 1\noom_kill 1\n")["oom_kill"] == 1
     m = {'memqos_guard_actions_total{action="relax"}': 2.0, 'memqos_guard_actions_created{action="relax"}': 9.0}
-    assert guest.metric(m, "memqos_guard_actions_total", action="relax") == 2.0
-    assert guest.metric(m, "memqos_guard_actions_total", action="report") is None
+    assert guest_common.metric(m, "memqos_guard_actions_total", action="relax") == 2.0
+    assert guest_common.metric(m, "memqos_guard_actions_total", action="report") is None
 
 
 def test_e2e_vm_rejects_an_unknown_scenario():
@@ -332,14 +332,14 @@ def test_nri_scenario_switches_nri_on_in_the_1x_config_only_when_asked():
     which fills the template without knowing the placeholder), and 2.x's config needs none."""
     import tomllib
 
-    import guest
+    import guest_stack
 
     with open(os.path.join(ROOT, "e2e", "containerd.toml.in")) as f:
         template = f.read()
 
     def fill(text: str, nri: bool) -> dict:
         text = text.replace("@ROOT@", "/run/e2e").replace("@SYSTEMD_CGROUP@", "false").replace("@RUNC@", "/runc")
-        return tomllib.loads(text.replace("#@NRI@", guest.NRI_ON_1X if nri else ""))
+        return tomllib.loads(text.replace("#@NRI@", guest_stack.NRI_ON_1X if nri else ""))
 
     assert fill(template, True)["plugins"]["io.containerd.nri.v1.nri"] == {"disable": False}
     assert "io.containerd.nri.v1.nri" not in fill(template, False)["plugins"]
@@ -508,11 +508,11 @@ def test_kubelet_reproduction_writes_what_the_recorded_kubelet_wrote(tmp_path):
     import protection as P
 
     sys.path.insert(0, os.path.join(ROOT, "e2e"))
-    import guest
+    import guest_common
 
     with open_text(str(trace_file(MEMQOS_ON))) as f:
         calls = [json.loads(x) for x in f][1:]
-    pods = P.trace_pods(calls, guest.load_manifests(os.path.join(TRACES, "manifests")))
+    pods = P.trace_pods(calls, guest_common.load_manifests(os.path.join(TRACES, "manifests")))
     with open(os.path.join(TRACES, MEMQOS_ON + ".cgroups.txt")) as f:
         steady, removed = f.read().split("### after qos-besteffort")[:2]
 
@@ -593,7 +593,8 @@ def test_sampling_check_values_left_over_from_before_sampling(tmp_path):
 def test_stack_check_names_the_binary_through_a_symlinked_directory(tmp_path, monkeypatch):
     """The stack's binaries named through a symlinked directory (a checkout whose out/ is a
     link) are the processes' /proc/PID/exe, which has every link resolved."""
-    import guest
+    import guest_common
+    import guest_stack
 
     real = tmp_path / "real"
     real.mkdir()
@@ -611,13 +612,13 @@ def test_stack_check_names_the_binary_through_a_symlinked_directory(tmp_path, mo
         def close(self):
             pass
 
-    monkeypatch.setattr(guest, "Cri", FakeCri)
-    monkeypatch.setattr(guest, "pids_named", lambda comm: [os.getpid()])
+    monkeypatch.setattr(guest_stack, "Cri", FakeCri)
+    monkeypatch.setattr(guest_stack, "pids_named", lambda comm: [os.getpid()])
     os.symlink(exe, real / "python")
     linked = str(tmp_path / "link" / "python")
-    report = guest.Report(str(tmp_path / "out"))
+    report = guest_common.Report(str(tmp_path / "out"))
     report.data.setdefault("stack", {})
-    guest.check_stack_binaries(report, {"name": "t", "containerd": linked, "containerd-shim-runc-v2": linked,
+    guest_stack.check_stack_binaries(report, {"name": "t", "containerd": linked, "containerd-shim-runc-v2": linked,
                                         "containerd_version": "1.7.24"}, os.getpid())
     assert [c["pass"] for c in report.data["checks"]] == [True, True, True]
 

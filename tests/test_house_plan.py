@@ -1,7 +1,10 @@
 """The house plan holds: rooms are folders, modules stay readable, rooms meet only through
 public names, the runtime package imports neither the development package beside it nor
-grpcio (the generated service stubs aside), and the docs' layout tables name the folders that exist
-(docs/architecture.md)."""
+grpcio (the generated service stubs aside), the docs' layout tables name the folders that exist
+(docs/architecture.md), and imports run one way: no circle between the project's modules (shim/,
+e2e/, memqos_dev/; imports inside functions included) and no room of shim/ importing one on its
+own or a later line of the rooms' order, which docs/architecture.md's "Who imports whom" writes
+down and this file reads."""
 from __future__ import annotations
 
 import ast
@@ -219,3 +222,193 @@ def test_a_held_create_container_walks_few_modules_and_rarely_back():
 
     result = walk(hook_as_one=True)
     assert result["modules"] <= 10 and result["returns"] <= 2, result["walk"]
+
+
+# -- imports run one way ---------------------------------------------------------------------------
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+# Lazy imports (inside a function) that may run against the rooms' order, each named with the reason:
+# {(importing module, imported module): why}. None today.
+LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def room_order(doc: Path = ARCHITECTURE) -> dict[str, int]:
+    """The level of each room (a folder of shim/) and top-level module of shim/, as the numbered
+    list of docs/architecture.md's "Who imports whom" writes them: "1. `decision/`, `worker.py`"."""
+    section = doc.read_text(encoding="utf-8").split("\n## Who imports whom\n", 1)[1]
+    section = re.split(r"\n## ", section, maxsplit=1)[0]
+    order = {}
+    for level, line in re.findall(r"^(\d+)\. (.+)$", section, flags=re.M):
+        for name, _kind in re.findall(r"`(\w+)(/|\.py)`", line):
+            assert name not in order, f"{name} is on two lines of the order"
+            order[name] = int(level)
+    return order
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project by the name it is imported as: shim.* and memqos_dev.* from the
+    checkout, e2e's modules by their file name (e2e/ is on the guest's path)."""
+    out = {}
+    for top in (SHIM, DEV):
+        for p in modules(top):
+            parts = p.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    for p in modules(E2E):
+        out[p.stem] = p
+    return out
+
+
+def imported_names(path: Path, tree: ast.AST, package: str) -> list[tuple[int, str, bool]]:
+    """(line, dotted name, lazy) of every import in a module, at any depth; ``from a import b``
+    gives ``a.b`` (a module, or a name of ``a``: the caller resolves); relative imports resolved
+    against ``package``."""
+    lazy_nodes = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            lazy_nodes.update(id(n) for n in ast.walk(node) if n is not node)
+    found = []
+    for node in ast.walk(tree):
+        lazy = id(node) in lazy_nodes
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, lazy) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{a.name}" if base else a.name, lazy) for a in node.names]
+    return found
+
+
+def resolve(name: str, known) -> str | None:
+    """The longest prefix of a dotted name that is a project module."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return None
+
+
+def import_graph(sources: dict[str, tuple[Path, str]]) -> dict[str, dict[str, list[tuple[int, bool]]]]:
+    """module -> {imported project module: [(line, lazy)]}, from {module: (path, source)}."""
+    graph: dict[str, dict[str, list[tuple[int, bool]]]] = {}
+    for mod, (path, text) in sources.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        edges = graph.setdefault(mod, {})
+        for line, name, lazy in imported_names(path, ast.parse(text), package):
+            there = resolve(name, sources)
+            if there and there != mod:
+                edges.setdefault(there, []).append((line, lazy))
+    return graph
+
+
+def project_graph():
+    return import_graph({m: (p, p.read_text(encoding="utf-8")) for m, p in project_modules().items()})
+
+
+def circles(graph) -> list[list[str]]:
+    """The import circles: each strongly connected group of two or more modules (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:  # recursive: import chains are far shorter than Python's limit
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_circle_between_the_projects_modules():
+    assert circles(project_graph()) == []
+
+
+def test_the_circle_check_sees_one_through_a_lazy_import():
+    sources = {"guest": (E2E / "guest.py", "import nri_scenario\nimport guest_common\n"),
+               "nri_scenario": (E2E / "nri_scenario.py", "import guest_common\ndef f():\n    import guest\n"),
+               "guest_common": (E2E / "guest_common.py", "import os\n"),
+               "shim.app.cli": (SHIM / "app" / "cli.py", "def f():\n    from shim.tools.explain import register\n"),
+               "shim.tools.explain": (SHIM / "tools" / "explain.py", "from shim.app import cli\n"),
+               "shim.app": (SHIM / "app" / "__init__.py", "")}
+    assert circles(import_graph(sources)) == [["guest", "nri_scenario"], ["shim.app.cli", "shim.tools.explain"]]
+
+
+def in_shim(module: str) -> bool:
+    return module == "shim" or module.startswith("shim.")
+
+
+def room_of(module: str) -> str:
+    """A room as the order names it: 'shim.node.state' -> 'node', 'shim.worker' -> 'worker',
+    'shim' (the package's __init__) -> '__init__'."""
+    return room_of_module(module) or "__init__"
+
+
+def imports_against_the_order(graph, order: dict[str, int], exceptions=LAZY_EXCEPTIONS) -> list[str]:
+    """Imports in shim/ from a room to a room on the same or a later line of the order; a lazy
+    import is let through only when ``exceptions`` names it."""
+    found = []
+    for mod, edges in sorted(graph.items()):
+        if not in_shim(mod):
+            continue
+        here = room_of(mod)
+        for there_mod, sites in sorted(edges.items()):
+            there = room_of(there_mod)
+            if there == here or not in_shim(there_mod):
+                continue
+            if order[there] < order[here]:
+                continue
+            for line, lazy in sites:
+                if lazy and (mod, there_mod) in exceptions:
+                    continue
+                found.append(f"{mod}:{line} ({here}, line {order[here]}) imports {there_mod} "
+                             f"({there}, line {order[there]}){' in a function' if lazy else ''}")
+    return found
+
+
+def test_the_order_names_every_room_and_top_level_module_once():
+    top = {p.stem for p in SHIM.glob("*.py")}
+    assert set(room_order()) == rooms() | top
+
+
+def test_no_room_imports_upward_in_the_order():
+    assert imports_against_the_order(project_graph(), room_order()) == []
+
+
+def test_the_order_check_sees_an_upward_import_and_an_unnamed_lazy_one():
+    sources = {"shim.app.cli": (SHIM / "app" / "cli.py", "from shim.app.config import OPTIONS\n"
+                                "def f():\n    from shim.tools.explain import register\n"),
+               "shim.app.config": (SHIM / "app" / "config.py", ""),
+               "shim.tools.explain": (SHIM / "tools" / "explain.py", "from shim.app.config import OPTIONS\n"),
+               "shim.cri.facts": (SHIM / "cri" / "facts.py", "import shim.nri.facts\n"),
+               "shim.nri.facts": (SHIM / "nri" / "facts.py", "from shim.decision import facts\n"),
+               "shim.decision.facts": (SHIM / "decision" / "facts.py", ""),
+               "shim.decision": (SHIM / "decision" / "__init__.py", "")}
+    graph = import_graph(sources)
+    order = room_order()
+    assert imports_against_the_order(graph, order) == [
+        "shim.app.cli:3 (app, line 6) imports shim.tools.explain (tools, line 7) in a function",
+        "shim.cri.facts:1 (cri, line 2) imports shim.nri.facts (nri, line 2)"]
+    named = {("shim.app.cli", "shim.tools.explain"): "the reason, written here"}
+    assert imports_against_the_order(graph, order, named) == [
+        "shim.cri.facts:1 (cri, line 2) imports shim.nri.facts (nri, line 2)"]

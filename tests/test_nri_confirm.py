@@ -265,10 +265,16 @@ def test_doctor_says_which_keys_nri_mode_leaves_to_the_kubelet(tmp_path):
     from shim.tools.doctor import Doctor
     from tests.test_doctor import cfg, env
 
-    for config, want in ((ON_CONFIG, "the kubelet's keys, left out of every adjustment: memory.high, memory.low, "
-                                     "memory.min"),
-                         (TRACES_DIR / "kubelet-config-memqos-off.json", "the kubelet writes no container")):
-        r = Doctor(cfg(kubelet_config=str(config), kubelet_version="unknown"), env(tmp_path)).check_nri()
+    # version unknown, gate on: v1.22-v1.35 assumed, either memory.high formula (v1.22's writes one for
+    # BestEffort containers, v1.27's none)
+    for config, version, want in (
+            (ON_CONFIG, "unknown", "the kubelet's keys, left out of the adjustment of each container it writes them "
+                                   "for (Guaranteed: memory.low, memory.min; Burstable request < limit: memory.high, "
+                                   "memory.low, memory.min;"),
+            (ON_CONFIG, "unknown", "BestEffort: memory.high)"),
+            (ON_CONFIG, "1.28", "BestEffort: none)"),
+            (TRACES_DIR / "kubelet-config-memqos-off.json", "unknown", "the kubelet writes no container")):
+        r = Doctor(cfg(kubelet_config=str(config), kubelet_version=version), env(tmp_path)).check_nri()
         assert any(want in line for line in r.details), r.details
 
 

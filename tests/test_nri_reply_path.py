@@ -120,7 +120,7 @@ def test_what_registration_does_not_need_is_imported_after_the_plugin_starts(tmp
     (tmp_path / "cg" / "cgroup.controllers").write_text("memory\n")
     code = f"""
 import sys
-from shim.app.cli import build_parser
+from shim.cli.main import build_parser
 from shim.app.config import resolve
 from shim.app.nri_front import NriService
 d = {str(tmp_path)!r}
@@ -211,7 +211,7 @@ def test_the_nri_reconciler_does_not_import_the_runtime_client(tmp_path):
     (tmp_path / "cg" / "cgroup.controllers").write_text("memory\n")
     code = f"""
 import sys
-from shim.app.cli import build_parser
+from shim.cli.main import build_parser
 from shim.app.config import resolve
 from shim.app.nri_front import NriService
 d = {str(tmp_path)!r}

@@ -202,7 +202,7 @@ def test_a_replayed_trace_is_decided_alike_and_forwarded_unchanged_in_observe(bo
 
 
 def test_replay_cli_takes_the_mode(tmp_path, capsys):
-    from shim.app.cli import main
+    from shim.cli.main import main
     from shim.evidence.recorder import MethodFilter
     from shim.evidence.trace import read_trace, write_trace
     from memqos_dev.testing.traces import MEMQOS_ON, trace_file

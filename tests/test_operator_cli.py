@@ -66,7 +66,7 @@ def test_the_tuning_knobs_are_config_keys_and_not_flags(tmp_path):
             "log-level", "record", "reclaim"}.isdisjoint(file_only)
     r = shim("serve", "--guard-window", "5")
     assert r.returncode == 2 and "unrecognized arguments: --guard-window" in r.stderr
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
 
     (tmp_path / "c.yaml").write_text("guard-window: 5\nreclaim-step: 1Mi\n")
     cfg = resolve(build_parser().parse_args(["serve", "--config", str(tmp_path / "c.yaml"), "--policy", "Soft"]))
@@ -93,7 +93,7 @@ def test_doctor_help_does_not_repeat_serve_flags_and_takes_them():
     out = shim("doctor", "--help", check=True).stdout
     assert set(option_blocks(out)) == {"--config", "--help-settings"}
     assert "memqos-shim serve --help" in out
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
 
     args = build_parser().parse_args(["doctor", "--cgroup-root", "/x", "--upstream", "/run/y.sock"])
     assert resolve(args).cgroup_root == "/x"

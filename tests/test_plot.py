@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shim.app.cli import main
+from shim.cli.main import main
 from shim.tools.plot import KEP_LIMIT, MI, curves
 
 pytest.importorskip("matplotlib")  # in the test extra; the core install does not need it

@@ -259,7 +259,7 @@ def test_a_damaged_compressed_trace_is_a_trace_error(tmp_path, suffix):
 
 def test_serve_refuses_to_record_to_a_compressed_file_name(tmp_path, capsys):
     """The recorder writes plain lines; a .gz/.xz name would make every reader fail on it."""
-    from shim.app.cli import main
+    from shim.cli.main import main
 
     for name in ("cri.jsonl.gz", "cri.jsonl.xz"):
         rc = main(["serve", "--listen", str(tmp_path / "s.sock"), "--upstream", str(tmp_path / "u.sock"),

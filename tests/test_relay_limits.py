@@ -571,7 +571,7 @@ def test_the_idle_timeout_is_off_by_default_and_closes_an_idle_connection_when_s
 def test_serve_settings_reach_the_relay_and_hits_are_a_metric(tmp_path):
     """`serve` with `h2-max-concurrent-streams: 2` in its config: the third open stream is refused, and
     memqos_h2_limit_hits{limit="concurrent_streams"} counts it."""
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
     from shim.app.config import resolve
     from shim.app.service import Service
 

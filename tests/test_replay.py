@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.app.cli import main
+from shim.cli.main import main
 from shim.cri import pb
 from shim.decision import Policy
 from shim.evidence.trace import TraceCall, make_header, read_trace, trace_stem, write_trace

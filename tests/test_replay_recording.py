@@ -25,7 +25,7 @@ def lines(path) -> list[dict]:
 
 
 def _serve_args(tmp_path, trace, sockets, extra=()):
-    from shim.app.cli import build_parser
+    from shim.cli.main import build_parser
 
     (tmp_path / "cg").mkdir()
     (tmp_path / "cg" / "cgroup.controllers").write_text("cpu memory\n")

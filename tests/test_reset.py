@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shim.app.cli import main
+from shim.cli.main import main
 from tests.reconciler_support import FakeCgroupTree, read_audit, write_kubelet_config
 
 MI = 2**20

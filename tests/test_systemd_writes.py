@@ -368,7 +368,7 @@ def test_reconciler_retries_when_systemd_cannot_be_reached(tmp_path, systemd):
 
 
 def test_the_setting_is_validated(tmp_path):
-    from shim.app.cli import main
+    from shim.cli.main import main
 
     assert main(["reset", "--systemd-writes", "systemd", "--cgroup-root", str(tmp_path)]) == 2
     recs = read_audit(tmp_path / "none.jsonl")

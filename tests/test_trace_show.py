@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.app.cli import main
+from shim.cli.main import main
 from shim.evidence.trace import TraceCall, make_header, read_trace, write_trace
 from memqos_dev.testing.traces import MEMQOS_ON, SMOKE, all_traces, trace_file
 

@@ -18,6 +18,7 @@ import pytest
 from shim.evidence import trace
 from shim.evidence.recorder import shim_header
 from shim.evidence.trace import TraceCall, TraceError, TraceHeader, read_trace, write_trace
+from shim.tools.replay import replay_settings
 
 SPEC = Path(__file__).resolve().parent.parent / "docs" / "trace-format.md"
 
@@ -62,7 +63,7 @@ def key_rows(kind: str) -> dict[str, dict[str, str]]:
         if head[0] != f"{kind} key":
             continue
         for cells in body:
-            m = re.fullmatch(r"`([A-Za-z0-9_.]+)`", cells[0])
+            m = re.fullmatch(r"`([A-Za-z0-9_.-]+)`", cells[0])
             assert m, f"{kind} table: first cell {cells[0]!r} is not a `key`"
             assert m.group(1) not in rows, f"{kind} key {m.group(1)} listed twice"
             rows[m.group(1)] = dict(zip(head, cells))
@@ -77,23 +78,31 @@ def example_lines() -> list[str]:
 
 
 # -- what the code writes ------------------------------------------------------------------
-def flat_keys(obj: dict, prefix: str = "", depth: int = 2) -> dict[str, object]:
-    """{"node.page_size": 4096, ...}: keys of the header down to ``depth`` levels (the
-    KubeletConfiguration inside node.kubelet_config is not the format's business)."""
+def flat_keys(obj: dict, prefix: str = "") -> dict[str, object]:
+    """{"node.page_size": 4096, "shim.settings.factor": 0.9, ...}: keys of the header, of its
+    objects and of shim.settings (the KubeletConfiguration inside node.kubelet_config and a
+    structured setting's value are not the format's business)."""
     out: dict[str, object] = {}
     for k, v in obj.items():
         out[prefix + k] = v
-        if isinstance(v, dict) and depth > 1 and prefix + k != "node.kubelet_config":
-            out.update(flat_keys(v, prefix + k + ".", depth - 1))
+        if isinstance(v, dict) and prefix.count(".") == 0 and prefix + k != "node.kubelet_config" \
+                or isinstance(v, dict) and prefix + k == "shim.settings":
+            out.update(flat_keys(v, prefix + k + "."))
     return out
 
 
 def written_header() -> dict:
     """The header `serve --record` writes (shim.app.service.start_recorder builds it this way)."""
+    from shim.app.decides import header_settings
+    from shim.app.settings import Config
+
+    allocatable = (8 << 30) - (100 << 20)
+    settings = header_settings(Config(), {"node-allocatable": allocatable, "factor": 0.9, "page-size": 4096,
+                                          "kubelet-version": "1.37"})
     return shim_header(version="0.0.0", mem_total_bytes=8 << 30, page_size=4096, cgroup_driver="systemd",
-                       kubelet_config={"kubeReserved": {"memory": "100Mi"}}, allocatable=(8 << 30) - (100 << 20),
+                       kubelet_config={"kubeReserved": {"memory": "100Mi"}}, allocatable=allocatable,
                        factor=0.9, policy="Hard", cgroup_v2=True, listen="/run/x.sock", upstream="/run/y.sock",
-                       methods="default", kubelet_version="1.37")
+                       methods="default", kubelet_version="1.37", settings=settings)
 
 
 def written_call() -> dict:
@@ -131,7 +140,10 @@ def probed_header(obj: dict, seen: set[str]) -> Probe:
     data = dict(obj)
     for sub in ("node", "shim"):
         if isinstance(data.get(sub), dict):
-            data[sub] = Probe(data[sub], sub + ".", seen)
+            inner = dict(data[sub])
+            if sub == "shim" and isinstance(inner.get("settings"), dict):
+                inner["settings"] = Probe(inner["settings"], "shim.settings.", seen)
+            data[sub] = Probe(inner, sub + ".", seen)
     return Probe(data, "", seen)
 
 
@@ -306,10 +318,14 @@ def test_nested_header_keys_are_optional_for_the_reader():
     rows = key_rows("header")
     for key in (k for k in rows if "." in k):
         assert rows[key]["required by readers"] == "no", key
-        outer, inner = key.split(".", 1)
+        *outer, inner = key.split(".")
         header = copy.deepcopy(written_header())
-        header[outer].pop(inner)
-        trace.parse_header(header)
+        where = header
+        for name in outer:
+            where = where[name]
+        where.pop(inner)
+        # and replay takes it from elsewhere (replay refuses no capacity unless --mem-total gives one)
+        replay_settings(trace.parse_header(header), mem_total=8 << 30 if inner == "mem_total_bytes" else None)
 
 
 def test_unknown_keys_are_ignored_and_a_cut_last_line_is_skipped(tmp_path):
@@ -366,3 +382,54 @@ def test_compressed_example_reads_the_same(suffix, opener, tmp_path):
 def test_header_object_reads_back_unknown_keys():
     h = TraceHeader(written_header())
     assert h.shim["policy"] == "Hard" and h.node["cgroup_v2"] is True
+
+
+# -- shim.settings: the deciding settings ------------------------------------------------------
+SETTINGS = "shim.settings."
+
+
+def settings_rows() -> dict[str, dict[str, str]]:
+    return {k[len(SETTINGS):]: row for k, row in key_rows("header").items() if k.startswith(SETTINGS)}
+
+
+def test_the_settings_table_lists_exactly_the_deciding_settings_in_the_tables_order():
+    """A setting marked decides=True in OPTIONS is recorded and replayed without more code, but
+    not without its row here (name, type, meaning, an example off its default)."""
+    from shim.app.decides import DECIDING
+
+    assert list(settings_rows()) == [o.name for o in DECIDING], \
+        "docs/trace-format.md's shim.settings table must list every decides=True option of OPTIONS, in order"
+
+
+@pytest.mark.parametrize("name", sorted(settings_rows()))
+def test_a_setting_in_the_header_is_what_replay_applies(name):
+    """Each row's example, alone in shim.settings of a kubelet-like header, is replayed with:
+    its value parsed as the config file's would be, its origin the trace header, and every other
+    deciding setting named in the note of defaults taken."""
+    from shim.app.decides import DECIDING, attr
+
+    option = next(o for o in DECIDING if o.name == name)
+    example = json.loads(settings_rows()[name]["example"].strip("`"))
+    want = option.parse(example)
+    assert want != option.default, f"{name}: the example must be off the default"
+    header = written_header()
+    del header["shim"]
+    header["shim"] = {"settings": {name: example}}
+    settings = replay_settings(trace.parse_header(header))
+    assert getattr(settings.config, attr(option)) == want
+    assert settings.origin[name] == "trace header"
+    assert name not in settings.defaults
+    assert set(settings.defaults) <= {o.name for o in DECIDING} - {name}
+    assert "policy" in settings.defaults or name == "policy"
+
+
+def test_a_header_value_the_setting_refuses_refuses_the_trace_unless_given():
+    from shim.app.config import ConfigError  # noqa: F401 - the error replay turns into ReplayError
+    from shim.tools.replay import ReplayError
+
+    header = written_header()
+    header["shim"]["settings"]["protection-headroom-ratio"] = 1.5
+    with pytest.raises(ReplayError, match="shim.settings.protection-headroom-ratio"):
+        replay_settings(trace.parse_header(header))
+    given = {"protection-headroom-ratio": (0.2, "flag")}
+    assert replay_settings(trace.parse_header(header), given=given).config.protection_headroom_ratio == 0.2

@@ -1,5 +1,6 @@
-"""memqos-shim command line: serve and nri here; the operator's commands (``shim.tools``: explain,
-replay, trace, reset, doctor, demo) and ``health`` (``shim.evidence.health``) registered here."""
+"""The front ends' commands, ``serve`` and ``nri``: their flags from ``OPTIONS``, each front end's
+start and stop, SIGHUP and systemd's notifications. The command line itself (``memqos-shim``,
+the operator's commands beside these) is ``shim.cli``, above this room and the tools."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,6 @@ import signal
 import sys
 from typing import Callable
 
-from shim import __version__
 from shim.app.config import OPTIONS, ConfigError, add_arguments, file_only_note, resolve
 
 log = logging.getLogger("memqos-shim")
@@ -31,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    say_unused("serve", args.config)
     from shim.app.limits import raise_nofile_limit
     from shim.app.service import Service
     from shim.effects.files import UnsafeFile
@@ -61,6 +62,7 @@ def cmd_nri(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    say_unused("nri", args.config)
     from shim.app.nri_front import NriService
     from shim.effects.files import UnsafeFile
 
@@ -74,6 +76,14 @@ def cmd_nri(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", e)
         return 1
     return asyncio.run(_serve(service, f"NRI plugin on {cfg.nri_socket}", config_path=args.config))
+
+
+def say_unused(front: str, config_path: str | None) -> None:
+    """Log the config file's settings the other front end only uses (shim.app.config_unused)."""
+    from shim.app.config_unused import unused_note
+
+    if (note := unused_note(front, config_path, front_end_options(front))) is not None:
+        log.info("%s", note)
 
 
 # -- SIGHUP --------------------------------------------------------------------
@@ -204,17 +214,8 @@ def front_end_options(front: str):
     return tuple(o for o in OPTIONS if o.name not in other)
 
 
-def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
-    """The command line; ``serve_only``: without the tools' commands (``serve`` does not import
-    them, which keeps its start short)."""
-    p = argparse.ArgumentParser(
-        prog="memqos-shim",
-        description="A CRI proxy between the kubelet and containerd/CRI-O that gives containers, pods "
-                    "and the node memory QoS (memory.min / memory.high) on cgroup v2.",
-        epilog="Run `memqos-shim COMMAND --help` for a command's options. Docs: README.md.")
-    p.add_argument("--version", action="version", version=f"memqos-shim {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-
+def register(sub) -> None:
+    """``serve`` and ``nri`` on the command line's subcommands (``shim.cli.main``)."""
     serve_options, nri_options = front_end_options("serve"), front_end_options("nri")
     serve = sub.add_parser("serve", help="run the CRI proxy", epilog=file_only_note(serve_options))
     add_arguments(serve, serve_options)
@@ -224,81 +225,3 @@ def build_parser(*, serve_only: bool = False) -> argparse.ArgumentParser:
                          epilog=file_only_note(nri_options))
     add_arguments(nri, nri_options)
     nri.set_defaults(func=cmd_nri)
-
-
-    for register in () if serve_only else _EXTRA_COMMANDS:
-        register(sub)
-    return p
-
-
-def _register_trace_commands(sub) -> None:
-    from shim.tools.replay import register as register_replay
-    from shim.tools.trace_view import register as register_trace
-
-    register_replay(sub)
-    register_trace(sub)
-
-
-def _register_explain(sub) -> None:
-    from shim.tools.explain import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS: list = [_register_explain, _register_trace_commands]
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(serve_only=bool(argv) and argv[0] in ("serve", "nri"))
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return args.func(args)
-    except BrokenPipeError:
-        # the reader went away (`memqos-shim doctor | head`): nothing more to say, and no
-        # traceback; stdout points at /dev/null so the interpreter's final flush is quiet too
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe ended
-
-
-def _register_reset(sub) -> None:
-    from shim.tools.reset import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS.append(_register_reset)
-
-
-def _register_doctor(sub) -> None:
-    from shim.tools.doctor import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS.append(_register_doctor)
-
-
-def _register_health(sub) -> None:
-    from shim.evidence.health import add_arguments, run_check
-
-    p = sub.add_parser("health", help="exit 0 when the running front end's heartbeat file is fresh "
-                                      "(and with --ready, registered): the DaemonSet's exec probes")
-    add_arguments(p)
-    p.set_defaults(func=lambda args: run_check(args, sys.stdout))
-
-
-_EXTRA_COMMANDS.append(_register_health)
-
-
-def _register_demo(sub) -> None:
-    from shim.tools.demo import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS.append(_register_demo)

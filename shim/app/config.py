@@ -12,6 +12,10 @@ field per option and the table's default. Its fields are written into that file 
 by `scripts/gen-config` (settings_source() below) and committed, rather than built with
 dataclasses.make_dataclass at import, so that a reader and a type checker see every field and
 its type; tests/test_config.py fails when the committed fields are not what the table makes.
+
+``decides=True``: the setting changes what is decided from the CRI calls; `serve --record` writes it
+into the recording's header as JSON, `replay` applies it (shim.app.decides: ``parse`` must take back
+the JSON form of its own result); a new marked setting needs no code in either.
 """
 from __future__ import annotations
 
@@ -27,31 +31,12 @@ from shim.app.config_classes import checked, parse_classes, parse_namespace_clas
 from shim.app.config_file import ConfigError, FileValue, read_settings_file
 from shim.app.config_parsers import frame_size as _frame_size, nri_index as _nri_index, nri_socket as _nri_socket
 from shim.app.config_parsers import octal_mode as _octal_mode
+from shim.app.config_parsers import boolean as _bool, factor as _factor, guard_action as _guard_action, \
+    headroom_ratio as _headroom_ratio, policy as _policy, quantity as _quantity
 from shim.app.settings import FIELDS, Config
 from shim.decision import Policy
-from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_bytes, parse_page_size
+from shim.decision.quantity import PAGE_SIZE_MAX, PAGE_SIZE_MIN, QuantityError, parse_page_size
 from shim.effects.rollout import MODES
-
-
-def _factor(v: Any) -> float | None | str:
-    if v is None or (isinstance(v, str) and v.strip().lower() == "none"):
-        return None
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"must be a number in (0, 1], 'auto' or 'none', not {v!r}")
-    if not 0 < f <= 1:
-        raise ConfigError(f"must be in (0, 1], not {f}")
-    return f
-
-
-def _quantity(v: Any) -> int:
-    try:
-        return parse_bytes(v if isinstance(v, (str, int)) else str(v))
-    except QuantityError as e:
-        raise ConfigError(str(e))
 
 
 def _positive_int(v: Any) -> int:
@@ -97,17 +82,6 @@ def _regex(v: Any) -> str | None:
     return text
 
 
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    t = str(v).strip().lower()
-    if t in ("true", "yes", "on", "1"):
-        return True
-    if t in ("false", "no", "off", "0"):
-        return False
-    raise ConfigError(f"expected true or false, not {v!r}")
-
-
 def _metrics_address(v: Any) -> str | None:
     """'HOST:PORT', '[v6]:PORT' or a bare PORT (127.0.0.1); 'none' or empty: off."""
     if v is None or str(v).strip().lower() in ("", "none", "off"):
@@ -133,16 +107,6 @@ def _non_negative_float(v: Any) -> float:
     return n
 
 
-def _headroom_ratio(v: Any) -> float:
-    try:
-        n = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"not a number: {v!r}")
-    if not 0 <= n < 1:
-        raise ConfigError(f"must be in [0, 1): {v!r}")
-    return n
-
-
 def _percent(v: Any) -> float:
     text = str(v).strip().rstrip("%")
     try:
@@ -158,13 +122,6 @@ def _mode(v: Any) -> str:
     t = str(v).strip().lower()
     if t not in MODES:
         raise ConfigError(f"mode must be one of {list(MODES)}, not {v!r}")
-    return t
-
-
-def _guard_action(v: Any) -> str:
-    t = str(v).strip().lower()
-    if t not in ("relax", "none"):
-        raise ConfigError(f"guard action must be 'relax' or 'none', not {v!r}")
     return t
 
 
@@ -196,14 +153,6 @@ def _systemd_writes(v: Any) -> str:
     if t not in SYSTEMD_WRITES:
         raise ConfigError(f"systemd-writes must be one of {list(SYSTEMD_WRITES)}, not {v!r}")
     return t
-
-
-def _policy(v: Any) -> Policy:
-    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)."""
-    try:
-        return Policy(str(v))
-    except ValueError:
-        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (in any case), not {v!r}")
 
 
 def _kubelet_version(v: Any) -> str:
@@ -247,13 +196,14 @@ class Option:
     metavar: str | None = None
     where: str = FLAG
     file_text: bool = False  # from the config file, parse gets the scalar's text as written, not YAML's reading
+    decides: bool = False  # recorded in a recording's header and applied by replay (module docstring)
 
 
 OPTIONS: tuple[Option, ...] = (
     Option("mode", "str", "enforce", _mode,
            "enforce (rewrite calls, write cgroup files) or observe (decide, audit and count exactly as enforce "
            "would, but forward every call unchanged and write no cgroup file); the config file's mode is applied "
-           "again on SIGHUP, without a restart"),
+           "again on SIGHUP, without a restart", decides=True),
     Option("listen", "str", "unix:///run/memqos-shim/memqos-shim.sock", str,
            "socket the kubelet connects to (unix:///path or /path)"),
     Option("upstream", "str", "unix:///run/containerd/containerd.sock", str,
@@ -263,28 +213,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("kubelet-version", "str", "auto", _kubelet_version,
            "the kubelet's version (e.g. 1.37), for what it writes itself (MemoryQoS defaults changed in 1.36 "
            "and 1.37); 'auto': run `kubelet --version` (the running kubelet's executable, else the one on PATH) "
-           "once at start-up; 'unknown': assume the conservative case", "V"),
+           "once at start-up; 'unknown': assume the conservative case", "V", decides=True),
     Option("cgroup-root", "str", "/sys/fs/cgroup", str, "where the cgroup v2 hierarchy is mounted"),
     Option("node-allocatable", "int | None", None, _quantity,
-           "node allocatable memory (quantity); default: MemTotal - kubeReserved - systemReserved", "Q"),
+           "node allocatable memory (quantity); default: MemTotal - kubeReserved - systemReserved", "Q", decides=True),
     Option("factor", "float | str | None", "auto", _factor,
            "memory throttling factor in (0, 1] for memory.high, or 'none'; default: the kubelet's "
-           "memoryThrottlingFactor when its config sets one, else 0.9", "F"),
+           "memoryThrottlingFactor when its config sets one, else 0.9", "F", decides=True),
     Option("policy", "Policy", Policy.HARD, _policy,
            "protection policy, named like the kubelet's memoryReservationPolicy: Hard (memory.min = request "
            "for every pod and container with one), Soft (memory.low = request for all), TieredReservation "
            "(Guaranteed: memory.min, Burstable: memory.low), None (no memory.min/memory.low); any case; a "
-           "container's memory.min stays protection-headroom under its limit"),
+           "container's memory.min stays protection-headroom under its limit", decides=True),
     Option("protection-headroom-ratio", "float", 0.1, _headroom_ratio,
            "a container's memory.min is at most its limit minus max(limit x this, protection-headroom-min), "
            "so a pod at its memory.max can reclaim its own page cache instead of being OOM-killed (memory.low "
-           "then carries the request); in [0, 1)", "R", where=FILE),
+           "then carries the request); in [0, 1)", "R", where=FILE, decides=True),
     Option("protection-headroom-min", "int", 8 * 1024 * 1024, _quantity,
-           "the headroom under a container's limit is at least this (quantity)", "Q", where=FILE),
+           "the headroom under a container's limit is at least this (quantity)", "Q", where=FILE, decides=True),
     Option("correct-kubelet-min", "bool", False, _bool,
            "where the kubelet owns a container's memory.min (v1.36+, gate on, a memoryReservationPolicy) and "
            "sends one, lower it under the limit by the protection-headroom rule (never raised; the kubelet's "
-           "memory.low and memory.high untouched); false forwards the kubelet's value as sent", where=FILE),
+           "memory.low and memory.high untouched); false forwards the kubelet's value as sent", where=FILE, decides=True),
     Option("classes", "tuple[ContainerClass, ...] | None", None, parse_classes,
            "memory QoS classes a pod may ask for (annotation memqos.io/class, or memqos.io/class.CONTAINER for one "
            "container): a map of class name -> the settings it changes, named as these keys: policy, factor (or "
@@ -309,7 +259,7 @@ OPTIONS: tuple[Option, ...] = (
            "dropped and counted (memqos_finish_calls_dropped_total)", "N", where=FILE),
     Option("page-size", "int | None", None, parse_page_size,
            f"page size for rounding memory.high, a power of two from {PAGE_SIZE_MIN} to {PAGE_SIZE_MAX}; "
-           "default: the system's", "N"),
+           "default: the system's", "N", decides=True),
     Option("socket-group", "str | None", None, str, "group allowed to use the socket (mode becomes 0660)", "GROUP"),
     Option("max-connections", "int", 128, _positive_int,
            "connections the relay serves at once (the kubelet keeps one or two, crictl and doctor add one each "

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from shim.app.config_file import ConfigError
+from shim.app.config_parsers import boolean, factor, guard_action, headroom_ratio, policy, quantity
 from shim.decision.classes import (
     ALL_NAMESPACES,
     CLASS_KEYS,
@@ -39,17 +40,14 @@ MAX_NAMESPACES = 4096  # namespaces namespace-classes may name
 
 def _parsers() -> dict[str, Callable[[Any], Any]]:
     # (the node's own parsers, so a class's value is read exactly as the node's key is)
-    from shim.app import config as c
-
-    def factor(v: Any) -> float | None:
-        f = c._factor(v)
+    def class_factor(v: Any) -> float | None:
+        f = factor(v)
         if f == "auto":
             raise ConfigError("a class's factor is a number in (0, 1] or 'none' ('auto' is the node's)")
         return f
 
-    return {"policy": c._policy, "factor": factor, "protection-headroom-ratio": c._headroom_ratio,
-            "protection-headroom-min": c._quantity, "guard-action": c._guard_action, "reclaim": c._bool,
-            "swap": c._bool}
+    return {"policy": policy, "factor": class_factor, "protection-headroom-ratio": headroom_ratio,
+            "protection-headroom-min": quantity, "guard-action": guard_action, "reclaim": boolean, "swap": boolean}
 
 
 def _name(v: Any, what: str) -> str:

@@ -1,12 +1,16 @@
-"""Parsers of the socket, HTTP/2 and NRI settings of the options table (shim/app/config.py):
-each takes a flag's text or the config file's value and returns the setting, or raises a
-ConfigError that the table's caller prefixes with the flag or the file, line and key."""
+"""Parsers of settings of the options table (shim/app/config.py): the socket, HTTP/2 and NRI
+settings', and those of the per-container settings a class may set too (shim/app/config_classes
+reads a class's value with the node's parser of the same key). Each takes a flag's text or the
+config file's value and returns the setting, or raises a ConfigError that the table's caller
+prefixes with the flag or the file, line and key."""
 from __future__ import annotations
 
 import re
 from typing import Any
 
 from shim.app.config_file import ConfigError
+from shim.decision import Policy
+from shim.decision.quantity import QuantityError, parse_bytes
 
 
 def octal_mode(v: Any) -> int:
@@ -53,3 +57,60 @@ def nri_index(v: Any) -> int:
     if not 0 <= n <= 99:
         raise ConfigError(f"an NRI plugin index is 0..99 (two digits), not {n}")
     return n
+
+
+def factor(v: Any) -> float | None | str:
+    if v is None or (isinstance(v, str) and v.strip().lower() == "none"):
+        return None
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"must be a number in (0, 1], 'auto' or 'none', not {v!r}")
+    if not 0 < f <= 1:
+        raise ConfigError(f"must be in (0, 1], not {f}")
+    return f
+
+
+def quantity(v: Any) -> int:
+    try:
+        return parse_bytes(v if isinstance(v, (str, int)) else str(v))
+    except QuantityError as e:
+        raise ConfigError(str(e))
+
+
+def boolean(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("true", "yes", "on", "1"):
+        return True
+    if t in ("false", "no", "off", "0"):
+        return False
+    raise ConfigError(f"expected true or false, not {v!r}")
+
+
+def headroom_ratio(v: Any) -> float:
+    try:
+        n = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"not a number: {v!r}")
+    if not 0 <= n < 1:
+        raise ConfigError(f"must be in [0, 1): {v!r}")
+    return n
+
+
+def guard_action(v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in ("relax", "none"):
+        raise ConfigError(f"guard action must be 'relax' or 'none', not {v!r}")
+    return t
+
+
+def policy(v: Any) -> Policy:
+    """An upstream memoryReservationPolicy name (Hard, Soft, TieredReservation, None; any case)."""
+    try:
+        return Policy(str(v))
+    except ValueError:
+        raise ConfigError(f"policy must be one of {[p.value for p in Policy]} (in any case), not {v!r}")

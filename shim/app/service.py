@@ -66,10 +66,15 @@ def read_node(cfg: Config):
         log.warning("kubelet config: %s", problem)
     capacity = read_mem_total(cfg.meminfo)
     page = cfg.page_size or system_page_size()
-    node = node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor,
+    return kubelet, capacity, page, decided_node(cfg, kubelet, capacity, page), is_cgroup_v2(cfg.cgroup_root)
+
+
+def decided_node(cfg: Config, kubelet, capacity: int, page: int):
+    """The node's facts as the decision takes them from the settings: both front ends, and
+    `replay` from the recording's settings (shim.app.decides)."""
+    return node_facts(capacity, kubelet, page_size=page, allocatable=cfg.node_allocatable, factor=cfg.factor,
                       headroom_ratio=cfg.protection_headroom_ratio, headroom_min=cfg.protection_headroom_min,
                       correct_kubelet_min=cfg.correct_kubelet_min)
-    return kubelet, capacity, page, node, is_cgroup_v2(cfg.cgroup_root)
 
 
 def start_audit(cfg: Config) -> AuditLog:
@@ -316,8 +321,7 @@ class Service:
             self.monitor.guard = guard_for_ownership(self.cfg, owners)
             self.monitor.kubelet_high = kubelet_owns_high(owners)
         if self.recorder is not None:  # the files after the next rotation say it
-            header = self.recorder.header
-            self.recorder.header = {**header, "shim": {**header.get("shim", {}), "kubelet_version": "%d.%d" % version}}
+            self.record_setting("kubelet-version", "%d.%d" % version, kubelet_version="%d.%d" % version)
         self.audit.emit({
             "event": "kubelet-version-known",
             "kubelet_version": "%d.%d" % version,
@@ -345,11 +349,22 @@ class Service:
         if not self.rollout.set(mode):
             return False
         self.audit.emit({"event": "mode", "from": before, "to": mode, "why": why})
+        self.record_setting("mode", mode)
         log.warning("mode %s -> %s (%s)", before, mode, why)
         say_mode(self.rollout)
         if mode != OBSERVE and self.reconciler is not None:
             self.reconciler.enforce_now(f"mode {before} -> {mode}")
         return True
+
+    def record_setting(self, name: str, value, **legacy) -> None:
+        """A deciding setting changed while running: the recorder's next file (after a rotation
+        or a reopen) says it in its header; the current file keeps the one it started with."""
+        if getattr(self, "recorder", None) is None:
+            return
+        header = self.recorder.header
+        shim = header.get("shim", {})
+        self.recorder.header = {**header, "shim": {**shim, **legacy, "settings": {**shim.get("settings", {}),
+                                                                                 name: value}}}
 
     # -- /healthz and /readyz
     def side_threads(self) -> tuple:
@@ -413,7 +428,9 @@ def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool, k
     """--record: the trace recorder, its header holding the node facts and the settings the
     shim decides with (so a replay of the recording reproduces its audit records)."""
     from shim import __version__
+    from shim.app.decides import header_settings
     from shim.evidence.recorder import Recorder, read_kubelet_config_doc, shim_header
+    from shim.node.kubelet import fmt_version
 
     header = shim_header(
         version=__version__,
@@ -429,6 +446,8 @@ def start_recorder(cfg: Config, node, kubelet, capacity: int, cgroup_v2: bool, k
         upstream=cfg.upstream,
         methods=cfg.record_methods or "default",
         kubelet_version=None if kubelet_version is None else "%d.%d" % kubelet_version,
+        settings=header_settings(cfg, {"node-allocatable": node.allocatable, "factor": node.factor,
+                                       "page-size": node.page_size, "kubelet-version": fmt_version(kubelet_version)}),
     )
     return Recorder(cfg.record, header, max_bytes=cfg.record_max_bytes, keep=cfg.record_keep,
                     methods=cfg.record_methods).start()

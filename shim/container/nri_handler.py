@@ -175,6 +175,7 @@ class NriMemoryQoS(Handler):
         owns = qos.kubelet_keys
         choice, settings = qos.choose(facts, container.name)
         decision = with_swap(decide(facts, kubelet, settings.node, settings.policy, kubelet_owns=owns), settings)
+        owns = decision.kubelet_owns  # this container's
         keys = adjustment_keys(decision, owns)
         kept = keep_in_force(keys, in_force) if in_force else {}
         note = container_note(decision.request.bytes, decision.request.source.value, decision.qos.value,
@@ -244,6 +245,7 @@ class NriMemoryQoS(Handler):
             choice, settings = self._recorded_class(container.annotations, pod_facts.namespace)
         decision = with_swap(decide(pod_facts, facts, settings.node, settings.policy, override, reset_absent=True,
                                     kubelet_owns=owns), settings)
+        owns = decision.kubelet_owns  # this container's
         keys = adjustment_keys(decision, owns)
         if known is not None and not observe:
             # what the cgroup is to hold once the runtime applied it

@@ -94,6 +94,15 @@ def observed(audit: Any) -> Any:
     return audit
 
 
+def container_keys(ownership) -> Mapping[str, str]:
+    """The container keys the kubelet owns, as ``decide`` takes them: ``Ownership.container_keys``
+    (resolved per container), or the keys of an ownership that only names them."""
+    if ownership is None:
+        return MappingProxyType({})
+    keys = getattr(ownership, "container_keys", None)
+    return keys() if keys is not None else MappingProxyType(ownership.kubelet_keys())
+
+
 def _apply(resources: Any, decision: Decision) -> None:
     unified = resources.unified
     unified.clear()
@@ -143,8 +152,9 @@ class ContainerMemoryQoS:
         self.rollout = rollout if rollout is not None else Rollout()
         # shim.node.kubelet.Ownership: unified keys the kubelet is configured to write are kept
         self.ownership = ownership
-        # read once per call on the CRI path; replaced whole (never mutated) by set_ownership
-        self.kubelet_keys = MappingProxyType(ownership.kubelet_keys() if ownership is not None else {})
+        # read once per call on the CRI path; replaced whole (never mutated) by set_ownership;
+        # the decision resolves it for each container (shim.decision.kubelet.KubeletKeys)
+        self.kubelet_keys = container_keys(ownership)
         self._emit = emit
         self.enabled = enabled
         self.disabled_reason = disabled_reason
@@ -162,7 +172,7 @@ class ContainerMemoryQoS:
         """Use a new Ownership from the next call on (any thread: the CRI path reads
         ``kubelet_keys`` once per call, and it is replaced in one assignment)."""
         self.ownership = ownership
-        self.kubelet_keys = MappingProxyType(ownership.kubelet_keys())
+        self.kubelet_keys = container_keys(ownership)
 
     def choose(self, pod: PodFacts, name: str) -> tuple[ClassChoice, ContainerSettings]:
         """The class a new container gets from its pod's annotations, and its settings (the
@@ -299,7 +309,7 @@ class ContainerMemoryQoS:
         known = self.containers.get(cid)
         if known is None:
             return
-        values = kernel_values(note.decision, self.kubelet_keys)
+        values = kernel_values(note.decision)
         self.containers[cid] = known._replace(unified=MappingProxyType(values),
                                               limit=max(0, note.parsed.linux.memory_limit_in_bytes))
 
@@ -331,6 +341,7 @@ class ContainerMemoryQoS:
         choice, settings = self.choose(pod, name)
         decision = with_swap(decide(pod, container_facts(name, resources), settings.node, settings.policy,
                                     kubelet_owns=owns), settings)
+        owns = decision.kubelet_owns  # this container's
         memo = KnownContainer(sandbox_id, name, pod, decision.qos, decision.request,
                               MappingProxyType(kernel_values(decision, owns)), max(0, decision.limit), choice.name)
         lazy = partial(self._decision_record, _create_base, (pod, name, sandbox_id), decision, owns,
@@ -401,6 +412,7 @@ class ContainerMemoryQoS:
         choice, settings = self.settings_of(known, msg.container_id)
         decision = with_swap(decide(pod, facts, settings.node, settings.policy, request_override, reset_absent=True,
                                     kubelet_owns=owns), settings)
+        owns = decision.kubelet_owns  # this container's
         extra = {"request_remembered": True} if known is not None and request_override is known.request else {}
         record = partial(self._decision_record, dict, (base,), decision, owns, settings, choice, **extra)
         out = request

@@ -102,6 +102,9 @@ class Decision:
     # numbers beyond what the node has, and what was done with them ("clamped: ...", "... treated
     # as no limit"): docs/memory-qos.md, "Absurd numbers"
     notes: tuple[str, ...] = ()
+    # the owned keys the kubelet writes itself in this container (key -> why): left as it sent
+    # them (shim.decision.kubelet.KubeletKeys, resolved for the container)
+    kubelet_owns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def changed(self) -> bool:

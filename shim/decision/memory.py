@@ -7,6 +7,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from shim.decision.facts import OWNED_KEYS, ContainerFacts, Decision, NodeFacts, PodFacts, Policy, QoSClass, Request, RequestSource
+from shim.decision.kubelet import KubeletKeys
 from shim.decision.qos import qos_class
 from shim.decision.quantity import MAX_BYTES, allocatable_bound, capacity_bound, clamp
 from shim.decision.request import resolve_request
@@ -16,11 +17,14 @@ from shim.decision.request import resolve_request
 NEUTRAL = {"memory.min": "0", "memory.low": "0", "memory.high": "max"}
 
 
-def kernel_values(decision: Decision, kubelet_owns: Mapping[str, str]) -> dict[str, str]:
+def kernel_values(decision: Decision, kubelet_owns: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the container's cgroup holds once the runtime applied ``decision`` (created or
     updated with its ``unified_after``), for the keys the shim owns: the value sent, or the
-    kernel's default for a key left out. Keys the kubelet owns are not the shim's to check."""
+    kernel's default for a key left out. Keys the kubelet owns (``kubelet_owns``, by default the
+    decision's own, for its container) are not the shim's to check."""
     after = decision.unified_after
+    if kubelet_owns is None:
+        kubelet_owns = decision.kubelet_owns
     return {k: after.get(k, NEUTRAL[k]) for k in OWNED_KEYS if k not in kubelet_owns}
 
 
@@ -207,7 +211,7 @@ def decide(
     request: Request | None = None,
     *,
     reset_absent: bool = False,
-    kubelet_owns: Mapping[str, str] = MappingProxyType({}),
+    kubelet_owns: Mapping[str, str] | KubeletKeys = MappingProxyType({}),
 ) -> Decision:
     """What the shim puts in the container's unified map, and why.
 
@@ -219,7 +223,9 @@ def decide(
 
     `kubelet_owns`: owned keys the kubelet is configured to write itself (key -> why, from
     shim.node.kubelet.Ownership): its value is forwarded unchanged (unless it is a byte count
-    above what the node has), or left out when it sent none.
+    above what the node has), or left out when it sent none. A ``KubeletKeys`` is resolved for
+    this container (its QoS class, request and limit: ``KubeletKeys.for_container``); the
+    decision carries the keys it resolved to (``Decision.kubelet_owns``).
 
     No value above the node ever comes out (docs/memory-qos.md, "Absurd numbers"): the request
     (discovered or given) is clamped to allocatable, a limit above the capacity is no limit,
@@ -241,6 +247,9 @@ def decide(
             notes = notes or []
             notes.append(clamped)
             req = replace(req, bytes=clamped_bytes)
+    if isinstance(kubelet_owns, KubeletKeys):
+        kubelet_owns = kubelet_owns.for_container(qos, req, seen.limit, node.allocatable, node.page_size,
+                                                  container.unified)
     desired, reasons = _protection(policy, qos, req, limit, node)
     if clamped:
         for key in desired:
@@ -264,7 +273,8 @@ def decide(
                 if key == "memory.min" and node.correct_kubelet_min:
                     _correct_kubelet_min(after, reasons, before[key], limit, node)
             else:
-                reasons[key] = f"not set: the kubelet sent none and owns it ({kubelet_owns[key]})"
+                reasons[key] = f"not set: the kubelet owns it, and no value of the kubelet's is in the request " \
+                               f"({kubelet_owns[key]})"
             continue
         if key in desired:
             after[key] = str(desired[key])
@@ -285,5 +295,6 @@ def decide(
         unified_before=MappingProxyType(before),
         unified_after=MappingProxyType(after),
         reasons=MappingProxyType(reasons),
+        kubelet_owns=kubelet_owns,
     )
     return replace(decision, notes=tuple(notes)) if notes else decision

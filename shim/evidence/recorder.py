@@ -277,9 +277,13 @@ def shim_header(
     upstream: str = "",
     methods: str = "",
     kubelet_version: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The header the shim writes: the format's node facts plus what the shim decided with,
-    so that a replay of its recording reproduces its audit records."""
+    so that a replay of its recording reproduces its audit records. ``settings``: every
+    deciding setting by name, JSON values (shim.app.decides.header_settings), as
+    ``shim.settings``; ``policy``, ``allocatable``, ``factor`` and ``kubelet_version`` are also
+    written on their own, as recordings before ``shim.settings`` had them (older replays read those)."""
     from shim.evidence.trace import make_header
 
     host = os.uname().nodename
@@ -292,5 +296,6 @@ def shim_header(
         node_extra={"cgroup_v2": cgroup_v2},
         extra={"shim": {"version": version, "policy": policy, "allocatable": allocatable, "factor": factor,
                         "enabled": cgroup_v2, "started": time.time(),
-                        **({"kubelet_version": kubelet_version} if kubelet_version else {})}},
+                        **({"kubelet_version": kubelet_version} if kubelet_version else {}),
+                        **({"settings": dict(settings)} if settings is not None else {})}},
     )

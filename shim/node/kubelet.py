@@ -26,7 +26,9 @@ the v1.36 and v1.37 Memory QoS blog posts):
   (memory.low for all) join the enum.
 
 Where a behaviour is not recorded upstream and the model assumes it, the text says "assumed,
-not recorded".
+not recorded". Which keys the kubelet writes for one container (its QoS class, request and
+limit) is ``shim.decision.kubelet``'s rule: ``KubeletWrites.rule`` hands it this kubelet, and
+``Ownership.container_keys`` the keys both front ends' decision resolves per container.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from shim.decision import Policy
+from shim.decision import Policy, QoSClass, Request, RequestSource
+from shim.decision.kubelet import REQUEST, V122, V127, V137, KubeletKeys, KubeletRule, kubelet_writes_keys
 
 # The kubelet's own memoryReservationPolicy values (v1.36: None, TieredReservation; v1.38
 # proposal: Hard, Soft). The same names as the shim's policies.
@@ -144,6 +147,25 @@ class KubeletWrites:
     def writes_high(self) -> bool:
         return self.gate and self.factor is not None
 
+    @property
+    def high_formulas(self) -> tuple[str, ...]:
+        """The memory.high formula(s) the kubelet may use (shim.decision.kubelet): one for a known
+        version; an unknown one takes each its configuration allows."""
+        v = self.version
+        if v is not None:
+            return (V122,) if v < (1, 27) else (V127,) if v < (1, 37) else (V137,)
+        return (V127, V137) if self.policy_aware else (V122, V127)
+
+    def rule(self) -> KubeletRule:
+        """What this kubelet writes into a container's unified, as ``shim.decision.kubelet``
+        applies it to each container (its QoS class, request and limit)."""
+        if not self.policy_aware:
+            protection = REQUEST if self.gate else None
+        else:
+            protection = self.protection.value if self.protection is not None else None
+        return KubeletRule(gate=self.gate, protection=protection, factor=self.factor if self.gate else None,
+                           formulas=self.high_formulas, version=fmt_version(self.version))
+
     def summary(self) -> str:
         if not self.gate:
             what = "writes no memory.min/memory.low/memory.high"
@@ -226,6 +248,27 @@ def kubelet_writes(kubelet, version: tuple[int, int] | None) -> KubeletWrites:
                          formula=formula, assumptions=tuple(assumptions))
 
 
+_GI = 1 << 30
+# one container of each kind (label, QoS class, request, limit): the cases the kubelet tells apart
+KINDS = (("Guaranteed", QoSClass.GUARANTEED, _GI, _GI),
+         ("Burstable request < limit", QoSClass.BURSTABLE, _GI // 4, _GI),
+         ("Burstable without a limit", QoSClass.BURSTABLE, _GI // 4, 0),
+         ("Burstable request = limit", QoSClass.BURSTABLE, _GI, _GI),
+         ("BestEffort", QoSClass.BESTEFFORT, 0, 0))
+
+
+def keys_by_kind(writes: KubeletWrites, allocatable: int = 64 * _GI, page_size: int = 4096) -> str:
+    """Which container keys this kubelet writes a value into, for each kind of container
+    (``KINDS``), as ``shim.decision.kubelet`` decides it for every container: one line."""
+    rule = writes.rule()
+    parts = []
+    for label, qos, request, limit in KINDS:
+        keys = kubelet_writes_keys(rule, qos, Request(request, RequestSource.GIVEN), limit, allocatable, page_size,
+                                   together=False)
+        parts.append(f"{label}: {', '.join(sorted(keys)) or 'none'}")
+    return "; ".join(parts)
+
+
 # -- who owns what ----------------------------------------------------------------------------
 CONTAINER_PROTECTION = "container memory.min/memory.low"
 CONTAINER_HIGH = "container memory.high"
@@ -257,9 +300,18 @@ class Ownership:
     owners: dict[str, str]
     reasons: dict[str, str]
     writes: KubeletWrites
+    # the container keys as both front ends' decision takes them, resolved per container
+    # (shim.decision.kubelet.KubeletKeys); None: those of ``kubelet_keys`` in every container
+    container: KubeletKeys | None = None
 
     def owner(self, what: str) -> str:
         return self.owners[what]
+
+    def container_keys(self) -> KubeletKeys:
+        """The container keys the kubelet owns, for ``shim.decision.decide`` (rewriter and NRI
+        handler): as a mapping the keys it owns in every container; per container (its QoS
+        class, request and limit) in NRI mode, where the kubelet's own values are not seen."""
+        return self.container if self.container is not None else KubeletKeys(self.kubelet_keys())
 
     def kubelet_keys(self) -> dict[str, str]:
         """unified keys the shim must forward unchanged -> why."""
@@ -269,6 +321,16 @@ class Ownership:
         if self.owners[CONTAINER_HIGH] == KUBELET:
             out["memory.high"] = self.reasons[CONTAINER_HIGH]
         return out
+
+    def owned_by_kind(self, allocatable: int = 64 * _GI, page_size: int = 4096) -> str:
+        """The container keys the kubelet owns in each kind of container (``KINDS``), as the
+        decision resolves them for a container (``container_keys``): one line."""
+        keys = self.container_keys()
+        parts = []
+        for label, qos, request, limit in KINDS:
+            owned = keys.for_container(qos, Request(request, RequestSource.GIVEN), limit, allocatable, page_size, {})
+            parts.append(f"{label}: {', '.join(sorted(owned)) or 'none'}")
+        return "; ".join(parts)
 
     def kubelet_scopes(self) -> frozenset[str]:
         """Reconciler scopes (pod, qos, kubepods, reserved) the shim leaves to the kubelet."""
@@ -289,15 +351,22 @@ class Ownership:
         return {k: {"owner": self.owners[k], "why": self.reasons[k]} for k in LABELS}
 
 
-NRI_KEEPS = ("NRI mode: the kubelet writes this container key itself and the runtime's NRI may not show its "
-             "value (containerd < 2.2 hands plugins an empty unified map), so the plugin leaves it to the kubelet")
+NRI_KEEPS = ("NRI mode: where the kubelet writes this key for a container (by its version, the container's QoS "
+             "class, request and limit), the runtime's NRI may not show its value (containerd < 2.2 hands plugins "
+             "an empty unified map), so the plugin leaves it to the kubelet; in the other containers the shim "
+             "sets it as in proxy mode")
+NRI_HIDDEN = "NRI mode: the kubelet's value is not shown to the plugin (containerd < 2.2), so it is left to the kubelet"
 
 
 def ownership(writes: KubeletWrites, policy: Policy, *, nri: bool = False) -> Ownership:
-    """Who owns each value. ``nri`` (NRI mode): a container key the kubelet writes is the
-    kubelet's whatever its version. A plugin cannot reuse the kubelet's request exactly as the
-    proxy does (on containerd < 2.2 it never sees it), so an estimate of its own would replace
-    -- and could lower -- the kubelet's value; the keys are left out of every adjustment."""
+    """Who owns each value. ``nri`` (NRI mode): a container key the kubelet writes for a
+    container is the kubelet's in that container, whatever its version (the per-container rule
+    is ``shim.decision.kubelet``: the kubelet's version, gate and policy, the container's QoS
+    class, request and limit). A plugin cannot reuse the kubelet's request exactly as the proxy
+    does (on containerd < 2.2 it never sees it), so an estimate of its own would replace -- and
+    could lower -- the kubelet's value; those keys are left out of that container's adjustment.
+    In a container where the kubelet writes no value for a key, the plugin decides it as proxy
+    mode does."""
     owned = _ownership(writes, policy)
     if not nri:
         return owned
@@ -305,7 +374,8 @@ def ownership(writes: KubeletWrites, policy: Policy, *, nri: bool = False) -> Ow
     for what, writes_it in ((CONTAINER_PROTECTION, writes.writes_protection), (CONTAINER_HIGH, writes.writes_high)):
         if writes_it and owners[what] != KUBELET:
             owners[what], reasons[what] = KUBELET, f"{NRI_KEEPS} ({writes.summary()})"
-    return Ownership(owners, reasons, writes)
+    hidden = writes.rule() if writes.writes_protection or writes.writes_high else None
+    return Ownership(owners, reasons, writes, KubeletKeys(owned.kubelet_keys(), hidden, NRI_HIDDEN))
 
 
 def _ownership(writes: KubeletWrites, policy: Policy) -> Ownership:

@@ -73,6 +73,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if not 0 <= ratio < 1:
             raise ValueError(f"--protection-headroom-ratio must be in [0, 1), not {args.protection_headroom_ratio}")
         floor = parse_bytes(args.protection_headroom_min)
+        kubelet = _kubelet_arg(getattr(args, "kubelet", None))
     except (QuantityError, ValueError) as e:
         print(f"memqos-shim explain: {e}", file=sys.stderr)
         return 2
@@ -116,6 +117,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "reasons": dict(d.reasons),
         **({"notes": list(d.notes)} if d.notes else {}),
     }
+    if kubelet is not None:
+        written = kubelet_keys(kubelet, d, limit, node)
+        out["kubelet"] = kubelet.summary()
+        out["kubelet_writes"] = written
     if args.json:
         print(json.dumps(out))
         return 0
@@ -131,7 +136,35 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  cap: {cap}")
     for note in d.notes:
         print(f"  note: {note}")
+    if kubelet is not None:
+        print(f"  {kubelet.summary()}")
+        print(f"  for this container it writes: {', '.join(sorted(written)) or 'nothing'}"
+              + (" (NRI mode on containerd < 2.2 does not see these values and leaves them to the kubelet; proxy "
+                 "mode decides them as above, rules in docs/memory-qos.md section 6)" if written else ""))
     return 0
+
+
+def _kubelet_arg(v: str | None):
+    """--kubelet VERSION: the shim.node.kubelet.KubeletWrites of a kubelet of that version with
+    the MemoryQoS gate on and its other defaults; None without the flag."""
+    if not v:
+        return None
+    from shim.node.facts import KubeletFacts
+    from shim.node.kubelet import kubelet_writes, parse_version
+
+    version = parse_version(v)
+    if version is None or version < (1, 22):
+        raise ValueError(f"--kubelet: {v!r} is not a kubelet version with Memory QoS (1.22 or later)")
+    return kubelet_writes(KubeletFacts(memory_qos_gate=True), version)
+
+
+def kubelet_keys(writes, d: decision.Decision, limit: int, node: decision.NodeFacts) -> dict[str, str]:
+    """The keys that kubelet writes a value into for this container (key -> why), by the rule
+    both front ends decide ownership with (shim.decision.kubelet)."""
+    from shim.decision.kubelet import kubelet_writes_keys
+
+    return kubelet_writes_keys(writes.rule(), d.qos, d.request, limit, node.allocatable, node.page_size,
+                               together=False)
 
 
 def _cap_line(d: decision.Decision, request: int, limit: int, node: decision.NodeFacts) -> str:
@@ -227,6 +260,9 @@ def register(sub) -> None:
     ex.add_argument("--protection-headroom-ratio", default="0.1", metavar="R",
                     help="a container's memory.min stays max(limit x R, --protection-headroom-min) under its limit")
     ex.add_argument("--protection-headroom-min", default="8Mi", metavar="Q", help="the least headroom (quantity)")
+    ex.add_argument("--kubelet", metavar="VERSION",
+                    help="also say which keys a kubelet of this version (1.22+) with the MemoryQoS gate on and its "
+                         "defaults writes for this container itself")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--table", action="store_true", help="print the KEP's comparison tables")
     ex.add_argument("--plot", metavar="FILE.png",

@@ -10,15 +10,23 @@ CreateContainer / UpdateContainerResources -- are the result, each tagged with t
 the call that produced it.
 
 Node facts come from the trace header (mem_total_bytes, page_size, cgroup_driver,
-kubelet_config; a memqos-shim recording also stores the allocatable, factor and policy it
-decided with). Precedence: flag > ``--config`` file > trace header > built-in default.
-``--kubelet-config`` and ``--mem-total`` are flags only: they replace the header's node facts.
+kubelet_config); a memqos-shim recording also stores every deciding setting it decided with
+(``shim.settings``: the options marked ``decides=True``, shim.app.decides). Each deciding
+setting: flag > ``--config`` file > trace header (``shim.settings``, then the older keys
+shim.policy / allocatable / factor / kubelet_version) > built-in default; the summary line
+names each one's origin, and a note names those the header does not carry. A known setting of
+the ``--config`` file that replay does not use is named in a note (shim.app.config_unused).
+``--kubelet-config`` and ``--mem-total`` are flags only: they replace the header's node facts
+(and the allocatable memory is computed anew from them).
 
 The replay also checks the path itself: every answer the client gets must be the recorded
 one (code, details, response bytes) and every request the runtime receives must be the
 recorded one apart from the fields the shim owns. Any difference is a replay problem (exit 3).
 For a memqos-shim recording, forwarded bytes that differ from the recorded ``forwarded`` are
 reported as notes (expected when flags change the settings).
+
+``--expect`` takes a stored ``--json`` output or the audit log of the run that recorded the
+trace (its call records; ``time`` never compared, ``seq`` where the file has it).
 
 Exit codes: 0 ok; 1 the records differ from ``--expect``; 2 usage, unreadable trace or
 config; 3 the replay did not reproduce the recorded traffic.
@@ -35,9 +43,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, TextIO
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, TextIO
 
+from shim.app.settings import Config
 from shim.decision import NodeFacts, Policy
 from shim.evidence.trace import Trace, TraceCall, TraceError, TraceHeader, read_trace
 from shim.node.facts import KubeletFacts, kubelet_facts_from_dict, load_kubelet_config, node_facts
@@ -62,10 +71,18 @@ class ReplaySettings:
     policy: Policy
     enabled: bool  # False when the recording shim had injection off (cgroup v1)
     kubelet: KubeletFacts
-    origin: dict[str, str]  # setting -> where it came from
-    # the recorded kubelet's version (trace header source "Kubernetes v1.23.16", or the recording
-    # shim's kubelet_version): what it writes itself and so which unified keys the shim keeps
+    origin: dict[str, str]  # "capacity" and each deciding setting's name -> where its value came from
+    # the recorded kubelet's version (the recording's kubelet-version setting, or a trace header
+    # source "Kubernetes v1.23.16"): what it writes itself and so which unified keys the shim keeps
     kubelet_version: tuple[int, int] | None = None
+    # the deciding settings (shim.app.decides) as replayed, each resolved as the node was
+    config: Config = field(default_factory=Config)
+    # the deciding settings the header does not carry, with the default each took
+    defaults: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
 
     def ownership(self):
         from shim.node.kubelet import kubelet_writes, ownership
@@ -73,23 +90,62 @@ class ReplaySettings:
         return ownership(kubelet_writes(self.kubelet, self.kubelet_version), self.policy)
 
     def describe(self) -> str:
-        n = self.node
-        parts = [
-            f"capacity {n.capacity} ({self.origin['capacity']})",
-            f"allocatable {n.allocatable} ({self.origin['allocatable']})",
-            f"factor {n.factor} ({self.origin['factor']})",
-            f"page {n.page_size} ({self.origin['page_size']})",
-            f"policy {self.policy.value} ({self.origin['policy']})",
-            f"cgroup driver {self.kubelet.cgroup_driver}",
-        ]
+        from shim.app.decides import DECIDING, attr
+
+        parts = [f"capacity {self.node.capacity} ({self.origin['capacity']})"]
+        parts += [f"{o.name} {shown(getattr(self.config, attr(o)))} ({self.origin[o.name]})" for o in DECIDING]
+        parts.append(f"cgroup driver {self.kubelet.cgroup_driver}")
         if not self.enabled:
             parts.append("injection OFF as recorded")
         return ", ".join(parts)
+
+    def defaults_note(self) -> str | None:
+        """The note for a trace whose header does not carry every deciding setting."""
+        if not self.defaults:
+            return None
+        return ("the trace header does not carry " + ", ".join(self.defaults) + "; replayed with "
+                + ", ".join(f"{name} {shown(getattr(self.config, name.replace('-', '_')))}"
+                            for name in self.defaults))
+
+
+def shown(value: Any) -> str:
+    """A setting's value as the summary says it: JSON, strings and numbers without quotes."""
+    from shim.app.decides import json_form
+
+    value = json_form(value)
+    if value is None:
+        return "none"
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 _UNSET: Any = object()
 # the two header names of trace-format.md's shim.policy that are not the upstream ones
 RECORDED_POLICY_NAMES = {"request": "Hard", "tiered": "TieredReservation"}
+FROM_HEADER = "trace header"
+
+
+def _older_keys(header: TraceHeader) -> dict[str, Any]:
+    """The deciding settings a header carries outside ``shim.settings``: the keys a recording
+    had before it (shim.policy, shim.allocatable, shim.factor, shim.kubelet_version), the node's
+    page size, the kubelet's version in a kubelet trace's ``source``."""
+    shim = header.shim
+    out: dict[str, Any] = {}
+    if shim.get("policy"):
+        try:
+            out["policy"] = Policy(RECORDED_POLICY_NAMES.get(shim["policy"], shim["policy"]))
+        except ValueError:
+            raise ReplayError(f"the trace header names an unknown policy {shim['policy']!r}") from None
+    if isinstance(shim.get("allocatable"), int):
+        out["node-allocatable"] = shim["allocatable"]
+    if "factor" in shim:
+        out["factor"] = shim["factor"]
+    if header.page_size:
+        out["page-size"] = header.page_size
+    if shim.get("kubelet_version"):
+        out["kubelet-version"] = str(shim["kubelet_version"])
+    elif found := re.search(r"Kubernetes v(\d+\.\d+)", header.source):
+        out["kubelet-version"] = found.group(1)
+    return out
 
 
 def replay_settings(
@@ -101,15 +157,29 @@ def replay_settings(
     allocatable: int | None = None,
     factor: Any = _UNSET,  # a float, None (no memory.high) or "auto"; unset: header, else auto
     policy: Policy | None = None,
+    given: Mapping[str, tuple[Any, str]] | None = None,
 ) -> ReplaySettings:
-    """Node facts and policy for replaying a trace: explicit arguments win over the header."""
+    """Node facts and the deciding settings (shim.app.decides) for replaying a trace. ``given``:
+    {setting name: (parsed value, where it came from)} from flags and --config; the keyword
+    arguments page_size .. policy are flags too. Precedence: given > the header's
+    ``shim.settings`` > the header's older keys > the default."""
+    from shim.app.config import ConfigError
+    from shim.app.decides import DECIDING, attr, parse_recorded
+    from shim.app.service import decided_node
+    from shim.node.kubelet import parse_version
+
+    given = dict(given or {})
+    for name, value in (("page-size", page_size), ("node-allocatable", allocatable), ("policy", policy)):
+        if value is not None:
+            given.setdefault(name, (value, "flag"))
+    if factor is not _UNSET:
+        given.setdefault("factor", (factor, "flag"))
     origin: dict[str, str] = {}
-    shim = header.shim
 
     if mem_total is not None:
         capacity, origin["capacity"] = mem_total, "flag"
     elif header.mem_total_bytes:
-        capacity, origin["capacity"] = header.mem_total_bytes, "trace header"
+        capacity, origin["capacity"] = header.mem_total_bytes, FROM_HEADER
     else:
         raise ReplayError("the trace header has no node.mem_total_bytes; pass --mem-total")
 
@@ -123,48 +193,46 @@ def replay_settings(
     if kubelet.problems:
         raise ReplayError("kubelet config: " + "; ".join(kubelet.problems))
 
-    if page_size is not None:
-        page, origin["page_size"] = page_size, "flag"
-    elif header.page_size:
-        page, origin["page_size"] = header.page_size, "trace header"
-    else:
-        page, origin["page_size"] = os.sysconf("SC_PAGE_SIZE"), "this system (not in the header)"
-
-    if allocatable is not None:
-        origin["allocatable"] = "flag"
-    elif isinstance(shim.get("allocatable"), int) and kubelet_config is None and mem_total is None:
-        allocatable, origin["allocatable"] = shim["allocatable"], "trace header (recording shim)"
-    else:
-        origin["allocatable"] = "capacity - kubeReserved - systemReserved"
-
-    if factor is not _UNSET:
-        origin["factor"] = "flag"
-    elif "factor" in shim:
-        factor, origin["factor"] = shim["factor"], "trace header (recording shim)"
-    else:
-        factor = "auto"
-        origin["factor"] = ("kubelet memoryThrottlingFactor" if kubelet.memory_throttling_factor is not None
-                            else "default 0.9")
-
-    if policy is not None:
-        origin["policy"] = "flag"
-    elif shim.get("policy"):
-        try:
-            policy = Policy(RECORDED_POLICY_NAMES.get(shim["policy"], shim["policy"]))
-        except ValueError:
-            raise ReplayError(f"the trace header names an unknown policy {shim['policy']!r}") from None
-        origin["policy"] = "trace header (recording shim)"
-    else:
-        policy, origin["policy"] = Policy.HARD, "default"
-
-    node = node_facts(capacity, kubelet, page_size=page, allocatable=allocatable, factor=factor)
-    from shim.node.kubelet import parse_version
-
-    found = re.search(r"Kubernetes v(\d+\.\d+)", header.source)
-    kubelet_version = parse_version(shim.get("kubelet_version")) or (parse_version(found.group(1)) if found else None)
-    enabled = shim.get("enabled", True) is not False
-    return ReplaySettings(node=node, policy=policy, enabled=enabled, kubelet=kubelet, origin=origin,
-                          kubelet_version=kubelet_version)
+    recorded = header.shim.get("settings")
+    recorded = recorded if isinstance(recorded, Mapping) else {}
+    older = _older_keys(header)
+    # another capacity or KubeletConfiguration than the recording's: allocatable computed anew
+    new_node = kubelet_config is not None or mem_total is not None
+    values: dict[str, Any] = {}
+    defaults = []
+    for o in DECIDING:
+        if o.name in given:
+            value, where = given[o.name]
+        elif o.name == "node-allocatable" and new_node:
+            value, where = None, "capacity - kubeReserved - systemReserved"
+        elif o.name in recorded:
+            try:
+                value, where = parse_recorded(o, recorded[o.name]), FROM_HEADER
+            except ConfigError as e:
+                raise ReplayError(f"{e} (a flag or --config can give the setting instead)") from None
+        elif o.name in older:
+            value, where = older[o.name], FROM_HEADER
+        else:
+            value, where = o.default, "default"
+            defaults.append(o.name)
+        values[attr(o)], origin[o.name] = value, where
+    if origin["node-allocatable"] == "default":
+        origin["node-allocatable"] = "capacity - kubeReserved - systemReserved"
+        defaults.remove("node-allocatable")  # from the header's node facts, as the recording node did
+    if origin["factor"] == "default" and kubelet.memory_throttling_factor is not None:
+        origin["factor"] = "kubelet memoryThrottlingFactor"
+        defaults.remove("factor")
+    if origin["page-size"] == "default":
+        values["page_size"], origin["page-size"] = os.sysconf("SC_PAGE_SIZE"), "this system (not in the header)"
+    if str(values["kubelet_version"]).lower() == "auto":  # nothing is run here: not known
+        values["kubelet_version"] = "unknown"
+    cfg = Config(**values)
+    node = decided_node(cfg, kubelet, capacity, cfg.page_size)
+    cfg = replace(cfg, node_allocatable=node.allocatable, factor=node.factor, page_size=node.page_size)
+    enabled = header.shim.get("enabled", True) is not False
+    return ReplaySettings(node=node, policy=cfg.policy, enabled=enabled, kubelet=kubelet, origin=origin,
+                          kubelet_version=parse_version(cfg.kubelet_version), config=cfg,
+                          defaults=tuple(defaults))
 
 
 @dataclass
@@ -274,7 +342,7 @@ def ordered_record(seq: int | None, record: dict) -> dict:
 
 
 async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
-                       mode: str = "enforce") -> ReplayResult:
+                       mode: str | None = None) -> ReplayResult:
     from shim.app.service import build_container_qos
     from shim.container.chain import build_request_hooks
     from shim.cri.methods import CRI_METHODS
@@ -291,7 +359,7 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
 
     qos = build_container_qos(settings.node, settings.policy, emit, cgroup_v2=settings.enabled,
                               cgroup_root="(the recording node)", ownership=settings.ownership(),
-                              rollout=Rollout(mode))
+                              rollout=Rollout(mode or settings.mode))
     hooks = build_request_hooks(qos)
     workdir = tempfile.mkdtemp(prefix="memqos-replay-")
     runtime = TraceRuntime(trace.calls)
@@ -337,9 +405,9 @@ async def replay_async(trace: Trace, settings: ReplaySettings, *, timeout: float
 
 
 def replay(trace: Trace, settings: ReplaySettings, *, timeout: float = CALL_TIMEOUT,
-           mode: str = "enforce") -> ReplayResult:
+           mode: str | None = None) -> ReplayResult:
     """Synchronous wrapper (its own event loop). ``mode``: enforce or observe (decided and
-    audited, the kubelet's bytes forwarded)."""
+    audited, the kubelet's bytes forwarded); default: the settings' mode."""
     return asyncio.run(replay_async(trace, settings, timeout=timeout, mode=mode))
 
 
@@ -385,8 +453,20 @@ def records_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def call_records(records: list[dict]) -> list[dict]:
+    """The records of calls (those naming a method): all of a stored --json output; of an audit
+    log (`serve`'s own, for --expect) the records a replay makes, without the start record,
+    the reconciler's, the guard's."""
+    return [r for r in records if "method" in r]
+
+
+def _comparable(record: dict, seq: bool) -> dict:
+    return {k: v for k, v in record.items() if k not in VOLATILE_KEYS and (seq or k != "seq")}
+
+
 def compare_records(expected: list[dict], got: list[dict]) -> list[str]:
-    """Differences between stored and produced records, one line each."""
+    """Differences between stored and produced records, one line each. ``time`` is never
+    compared, ``seq`` only where the stored record has one (an audit log's records have none)."""
     out = []
     for i in range(max(len(expected), len(got))):
         if i >= len(got):
@@ -395,7 +475,7 @@ def compare_records(expected: list[dict], got: list[dict]) -> list[str]:
         if i >= len(expected):
             out.append(f"record {i + 1} (seq {got[i].get('seq')}): unexpected {json.dumps(got[i])}")
             continue
-        e, g = expected[i], got[i]
+        e, g = _comparable(expected[i], True), _comparable(got[i], "seq" in expected[i])
         if e == g:
             continue
         for key in list(e) + [k for k in g if k not in e]:
@@ -417,14 +497,30 @@ def load_records(path: str) -> list[dict]:
 
 # -- CLI -----------------------------------------------------------------------------
 def _replay_options():
-    from shim.app.config import OPTIONS
+    """The settings replay takes: the deciding ones (shim.app.decides)."""
+    from shim.app.decides import DECIDING
 
-    wanted = ("node-allocatable", "factor", "policy", "page-size", "mode")
-    return tuple(o for o in OPTIONS if o.name in wanted)
+    return DECIDING
+
+
+def given_settings(cfg, config_path: str | None) -> dict[str, tuple[Any, str]]:
+    """{name: (value, origin)} of the deciding settings a flag or the --config file gives;
+    ``kubelet-version: auto`` is left to the recording (nothing is run to find a version here)."""
+    from shim.app.decides import DECIDING, attr
+
+    out = {}
+    for o in DECIDING:
+        where = cfg.origin.get(attr(o), "default")
+        value = getattr(cfg, attr(o))
+        if where == "default" or (o.name == "kubelet-version" and str(value).lower() == "auto"):
+            continue
+        out[o.name] = (value, "flag" if where == "flag" else f"--config {config_path}")
+    return out
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     from shim.app.config import ConfigError, resolve
+    from shim.app.config_unused import unused_note
     from shim.decision.quantity import QuantityError, parse_bytes
 
     out = out or sys.stdout
@@ -432,31 +528,24 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     try:
         cfg = resolve(args, _replay_options())
         mem_total = parse_bytes(args.mem_total) if args.mem_total else None
+        unused = unused_note("replay", args.config, _replay_options())
     except (ConfigError, QuantityError) as e:
         print(f"memqos-shim replay: {e}", file=err)
         return 2
-    given = {k for k, where in cfg.origin.items() if where != "default"}
     try:
         trace = read_trace(args.trace)
-        settings = replay_settings(
-            trace.header,
-            mem_total=mem_total,
-            kubelet_config=args.kubelet_config,
-            page_size=cfg.page_size if "page_size" in given else None,
-            allocatable=cfg.node_allocatable if "node_allocatable" in given else None,
-            factor=cfg.factor if "factor" in given else _UNSET,
-            policy=cfg.policy if "policy" in given else None,
-        )
+        settings = replay_settings(trace.header, mem_total=mem_total, kubelet_config=args.kubelet_config,
+                                   given=given_settings(cfg, args.config))
     except (TraceError, ReplayError) as e:
         print(f"memqos-shim replay: {e}", file=err)
         return 2
-    for attr, key in (("page_size", "page_size"), ("node_allocatable", "allocatable"),
-                      ("factor", "factor"), ("policy", "policy")):
-        if cfg.origin.get(attr) == "file":
-            settings.origin[key] = f"--config {args.config}"
+    if unused:
+        print(f"memqos-shim replay: {unused}", file=err)
+    if (defaults := settings.defaults_note()) is not None:
+        print(f"memqos-shim replay: note: {defaults}", file=err)
     for problem in trace.problems:
         print(f"memqos-shim replay: note: {problem}", file=err)
-    result = replay(trace, settings, mode=cfg.mode)
+    result = replay(trace, settings)
     if args.json:
         out.write(records_jsonl(result.records))
     else:
@@ -470,7 +559,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
         print(f"  ... {len(result.problems) - 50} more problems", file=err)
     if args.expect:
         try:
-            expected = load_records(args.expect)
+            expected = call_records(load_records(args.expect))
         except (OSError, ValueError) as e:
             print(f"memqos-shim replay: --expect {args.expect}: {e}", file=err)
             return 2
@@ -491,8 +580,10 @@ def register(subparsers) -> None:
         "replay",
         help="replay a CRI trace through the shim's request path and print its audit records",
         description="Replay a cri-trace through a real proxy with the shim's hooks, in front of a fake "
-                    "runtime answering with the recorded responses. Node facts come from the trace "
-                    "header; flags and --config override them. Exit: 0 ok, 1 differs from --expect, "
+                    "runtime answering with the recorded responses. Node facts and the settings that "
+                    "change decisions come from the trace header; flags and --config override them "
+                    "(--kubelet-version auto: the recording's; nothing is run). "
+                    "Exit: 0 ok, 1 differs from --expect, "
                     "2 usage/trace error, 3 the replay did not reproduce the recorded traffic.",
     )
     p.add_argument("trace", metavar="TRACE", help="cri-trace file (JSON lines)")
@@ -503,5 +594,6 @@ def register(subparsers) -> None:
                    help="KubeletConfiguration file to use instead of the header's kubelet_config")
     p.add_argument("--json", action="store_true", help="one JSON object per audit record and line")
     p.add_argument("--expect", metavar="FILE",
-                   help="compare the records with a stored --json output; exit 1 on any difference")
+                   help="compare the records with a stored --json output, or with the audit log of the "
+                        "run that recorded the trace; exit 1 on any difference")
     p.set_defaults(func=cmd_replay)

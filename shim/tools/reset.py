@@ -119,6 +119,10 @@ def cmd_reset(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from shim.app.config_unused import unused_note
+
+    if (note := unused_note("reset", args.config, RESET_OPTIONS)) is not None:
+        print(f"memqos-shim reset: {note}", file=sys.stderr)
     from shim.evidence.audit import AuditLog
 
     kubelet = load_kubelet_config(cfg.kubelet_config)

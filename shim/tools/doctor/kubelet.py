@@ -44,6 +44,8 @@ class KubeletChecks(CheckBase):
             out.append(Result("cgroup driver", PASS, f"{k.cgroup_driver}, as laid out under {self.cfg.cgroup_root}"))
         if not k.cgroups_per_qos:
             out.append(Result("cgroupsPerQOS", WARN, "false: no QoS cgroups, the reconciler has nothing to protect"))
+        from shim.node.kubelet import keys_by_kind
+
         writes, owners, how = self._ownership()
         if writes.gate and (writes.writes_protection or writes.writes_high):
             out.append(Result("MemoryQoS gate", WARN, f"on in the kubelet ({writes.gate_reason}): it writes its own "
@@ -56,6 +58,8 @@ class KubeletChecks(CheckBase):
             out.append(Result("MemoryQoS gate", PASS, f"{gate} ({writes.gate_reason}): the kubelet writes no "
                                                       "memory.min / memory.low / memory.high itself"))
         details = [f"kubelet version: {how}", writes.summary()]
+        if writes.gate:
+            details.append(f"the kubelet writes, by container: {keys_by_kind(writes)}")
         details += [f"assumed: {a}" for a in writes.assumptions]
         details += owners.lines()
         kubelet_side = [w for w, who in owners.owners.items() if who == "kubelet"]

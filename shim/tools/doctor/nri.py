@@ -65,20 +65,22 @@ class NriChecks(CheckBase):
         return lines, on
 
     def nri_key_lines(self) -> list[str]:
-        """Which container keys `memqos-shim nri` leaves to the kubelet (NRI ownership: every key
-        the kubelet writes itself, whatever its version), one line."""
+        """Which container keys `memqos-shim nri` leaves to the kubelet (NRI ownership: in each
+        container, every key the kubelet writes for it, whatever its version), one line."""
         from shim.node.kubelet import ownership
 
         try:
             writes, _, _ = self._ownership()
-            keys = ownership(writes, self.cfg.policy, nri=True).kubelet_keys()
+            owners = ownership(writes, self.cfg.policy, nri=True)
+            keys = owners.kubelet_keys()
+            by_kind = owners.owned_by_kind()
         except Exception as e:  # noqa: BLE001 - the kubelet check says what is wrong with its config
             return [f"NRI mode: which keys are the kubelet's is not known ({type(e).__name__}: {e})"[:300]]
         if not keys:
             return ["NRI mode: the kubelet writes no container memory.min / memory.low / memory.high: the plugin "
                     "sets them"]
-        return [f"NRI mode: the kubelet's keys, left out of every adjustment: {', '.join(sorted(keys))} "
-                f"({writes.summary()})"]
+        return [f"NRI mode: the kubelet's keys, left out of the adjustment of each container it writes them for "
+                f"({by_kind}); the plugin sets the others as proxy mode does ({writes.summary()})"]
 
     def check_nri(self) -> Result:
         name = "nri"
