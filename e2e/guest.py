@@ -81,6 +81,9 @@ def main(argv: list[str]) -> int:
                     help="guard: seconds allowed beyond window + one interval for the guard to act")
     ap.add_argument("--reclaim", action="store_true",
                     help="run the proactive reclaim scenario (after the traces and the guard)")
+    ap.add_argument("--classes", choices=("proxy", "nri"), default=None,
+                    help="run the classes scenario (e2e/guest_classes.py) after the guard and reclaim scenarios: "
+                         "through the proxy, or the proxy then `memqos-shim nri` (containerd's NRI on)")
     ap.add_argument("--pressure", choices=("quick", "full"), default=None,
                     help="run the protection benchmark (e2e/guest_pressure.py): quick (the baseline and the shim's "
                          "default values) or full (every value set)")
@@ -131,8 +134,9 @@ def main(argv: list[str]) -> int:
         if not reconciler[0]:
             log("no reconciler in the checkout: pod/QoS/node values will be reported as skipped")
         images = [os.path.join(args.images, n) for n in ("pause.tar", "busybox.tar", "hog.tar")]
-        if args.trace or args.guard or args.reclaim or args.nri:
-            containerd = start_containerd(logs, images, False, report, stack, nri=bool(args.nri))
+        if args.trace or args.guard or args.reclaim or args.nri or args.classes:
+            containerd = start_containerd(logs, images, False, report, stack,
+                                          nri=bool(args.nri) or args.classes == "nri")
             log("containerd ready, images imported")
         stack_checked: list[bool] = []
 
@@ -157,6 +161,9 @@ def main(argv: list[str]) -> int:
             run_scenario("guard", guard, report)
         if args.reclaim:
             run_scenario("reclaim", ReclaimScenario(args, report), report)
+        if args.classes:
+            from guest_classes import ClassesScenario
+            run_scenario("classes", ClassesScenario(args, report), report)
         if args.pressure:  # no runtime: its cgroups and processes are its own
             run_scenario("pressure", PressureScenario(args, report), report)
         if args.nri:  # last: its pods stay until the VM ends
@@ -174,7 +181,7 @@ def main(argv: list[str]) -> int:
             nri = nri_scenario.NriScenario(args, report, args.nri, reconciler, containerd, restart_containerd,
                                            proxy_values=proxy_values)
             run_scenario("nri", nri, report)
-        if not args.trace and not args.guard and not args.reclaim and not args.nri and not args.pressure:
+        if not (args.trace or args.guard or args.reclaim or args.nri or args.pressure or args.classes):
             raise InfraError("nothing to run: no --trace, no --guard, no --reclaim, no --pressure")
     except InfraError as e:
         report.data["errors"].append(str(e))
